@@ -1,0 +1,109 @@
+"""Models by name and the one optimizer builder both scripts use.
+
+`resnet_small` is the default: a few residual blocks that train in seconds on 8-64 px images.
+`resnet9` is the well-known fast CIFAR-10 network. Any other name goes to torchvision's model
+registry, without pretrained weights (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+from torch import nn
+
+from configs import Config, UserError
+
+OWN_MODELS = ("resnet_small", "resnet9")
+
+
+def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(inplace=True))
+
+
+class Residual(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.body = nn.Sequential(conv_bn(channels, channels), conv_bn(channels, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class ResNetSmall(nn.Sequential):
+    """Three stages (width, 2x, 4x), halving resolution between them; fine from 8 px up."""
+
+    def __init__(self, channels: int, num_classes: int, width: int = 32):
+        super().__init__(
+            conv_bn(channels, width), Residual(width),
+            conv_bn(width, 2 * width, stride=2), Residual(2 * width),
+            conv_bn(2 * width, 4 * width, stride=2), Residual(4 * width),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+        )
+
+
+class ResNet9(nn.Sequential):
+    """The DAWNBench-style ResNet-9 for 32 px images: four stages, two residual, max-pooling."""
+
+    def __init__(self, channels: int, num_classes: int, width: int = 64):
+        def stage(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(conv_bn(cin, cout), nn.MaxPool2d(2))
+
+        super().__init__(
+            conv_bn(channels, width),
+            stage(width, 2 * width), Residual(2 * width),
+            stage(2 * width, 4 * width),
+            stage(4 * width, 8 * width), Residual(8 * width),
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * width, num_classes, bias=False),
+        )
+
+
+def torchvision_models() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def check_model_name(name: str) -> None:
+    if name in OWN_MODELS:
+        return
+    known = torchvision_models()
+    if name not in known:
+        close = difflib.get_close_matches(name, [*OWN_MODELS, *known], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown model {name!r}{hint} (resnet_small, resnet9, or a torchvision "
+                        "classification model such as resnet18)")
+
+
+def build_model(cfg: Config, channels: int, num_classes: int) -> nn.Module:
+    check_model_name(cfg.model)
+    if cfg.model == "resnet_small":
+        return ResNetSmall(channels, num_classes, cfg.width)
+    if cfg.model == "resnet9":
+        return ResNet9(channels, num_classes, cfg.width)
+    import torchvision
+
+    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
+    if channels != 3:  # torchvision models expect RGB: a learned 1x1 conv maps channels to 3
+        return nn.Sequential(nn.Conv2d(channels, 3, 1), model)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
+    """SGD (momentum, nesterov) or AdamW; no weight decay on biases and norm layers' weights.
+
+    Two param groups: decayed (matrices, conv kernels) and not (anything 1-D). Fused kernels on
+    CUDA; torch's default (foreach where it helps) elsewhere.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    fused = {"fused": True} if params and params[0].is_cuda else {}
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, **fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                           nesterov=cfg.nesterov and cfg.momentum > 0, **fused)
