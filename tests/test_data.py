@@ -1,0 +1,123 @@
+"""The device-resident loader: same images as a DataLoader, exact epochs, reproducible order."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from configs import parse_config
+from data import Batches, augment, build_loaders, epoch_plan
+
+CPU = torch.device("cpu")
+
+
+def make_batches(source, labels, **overrides):
+    options = dict(batch_size=8, train=True, mean=torch.tensor([0.5]), std=torch.tensor([0.25]),
+                   pad=2, flip=True, seed=3, device=CPU)
+    options.update(overrides)
+    return Batches(source, labels, **options)
+
+
+def indexed_images(n: int = 44, size: int = 6):
+    images = torch.randint(0, 256, (n, 1, size, size), generator=torch.Generator().manual_seed(1),
+                           dtype=torch.uint8)
+    return images, torch.arange(n)
+
+
+def test_device_path_equals_dataloader_path_without_augmentation():
+    cfg = parse_config(["--dataset", "digits", "--no-augment", "--batch-size", "100"])
+    on_device, _, info = build_loaders(cfg, CPU)
+    cfg.loader, cfg.num_workers = "dataloader", 2
+    workers, _, info_workers = build_loaders(cfg, CPU)
+    assert "device" in info.loader and "DataLoader" in info_workers.loader
+    for epoch in (0, 1):
+        pairs = list(zip(on_device.epoch(epoch), workers.epoch(epoch), strict=True))
+        assert len(pairs) == len(on_device) == 1437 // 100
+        for (xa, ya), (xb, yb) in pairs:
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_dataloader_path_augments_identically():
+    images, labels = indexed_images()
+    device_batches = make_batches(images, labels)
+    worker_batches = make_batches(torch.utils.data.TensorDataset(images, labels), None,
+                                  num_workers=1)
+    for (xa, ya), (xb, yb) in zip(device_batches.epoch(2), worker_batches.epoch(2), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_augmented_images_are_padded_crops_or_flips_of_their_source():
+    images, labels = indexed_images()
+    pad = 2
+    batches = make_batches(images, labels, pad=pad, mean=torch.tensor([0.0]),
+                           std=torch.tensor([1 / 255]))
+    flipped_seen = 0
+    for x, y in batches.epoch(0):
+        for image, index in zip(x.round().to(torch.uint8), y.tolist(), strict=True):
+            padded = F.pad(images[index], (pad,) * 4)
+            candidates = [padded[:, r:r + 6, c:c + 6] for r in range(5) for c in range(5)]
+            if any(torch.equal(image, c) for c in candidates):
+                continue
+            assert any(torch.equal(image, c.flip(-1)) for c in candidates), index
+            flipped_seen += 1
+    assert flipped_seen > 0
+
+
+def test_each_epoch_visits_every_example_once_and_ranks_split_it():
+    images, labels = indexed_images(n=48)
+    seen = torch.cat([y for _, y in make_batches(images, labels).epoch(5)])
+    assert sorted(seen.tolist()) == list(range(48))
+    shards = [torch.cat([y for _, y in make_batches(images, labels, rank=r, world_size=2,
+                                                    batch_size=4).epoch(5)]) for r in (0, 1)]
+    assert set(shards[0].tolist()).isdisjoint(shards[1].tolist())
+    assert sorted(torch.cat(shards).tolist()) == list(range(48))
+
+
+def test_training_drops_the_partial_batch_but_evaluation_never_does():
+    images, labels = indexed_images(n=44)
+    train = make_batches(images, labels)
+    val = make_batches(images, labels, train=False)
+    assert len(train) == 5 and all(len(y) == 8 for _, y in train.epoch(0))
+    seen = torch.cat([y for _, y in val.epoch(0)])
+    assert len(val) == 6 and seen.tolist() == list(range(44))
+    shards = [make_batches(images, labels, train=False, rank=r, world_size=3) for r in range(3)]
+    assert sorted(torch.cat([y for s in shards for _, y in s.epoch(0)]).tolist()) == list(range(44))
+
+
+def test_order_is_reproducible_from_seed_and_epoch_and_resumable_mid_epoch():
+    images, labels = indexed_images()
+    a, b = make_batches(images, labels), make_batches(images, labels)
+    epoch3 = [(x, y) for x, y in a.epoch(3)]
+    assert all(torch.equal(xa, xb) for (xa, _), (xb, _) in zip(epoch3, b.epoch(3), strict=True))
+    assert not torch.equal(torch.cat([y for _, y in epoch3]), torch.cat([y for _, y in a.epoch(4)]))
+    other_seed = make_batches(images, labels, seed=4)
+    assert not torch.equal(epoch3[0][1], next(iter(other_seed.epoch(3)))[1])
+    tail = list(a.epoch(3, start=2))
+    assert len(tail) == len(epoch3) - 2
+    assert all(torch.equal(x, ex) and torch.equal(y, ey)
+               for (x, y), (ex, ey) in zip(tail, epoch3[2:], strict=True))
+
+
+def test_epoch_plan_ignores_global_rng():
+    torch.manual_seed(0)
+    first = epoch_plan(30, 1, 2, shuffle=True, pad=2, flip=True)
+    torch.manual_seed(99)
+    second = epoch_plan(30, 1, 2, shuffle=True, pad=2, flip=True)
+    assert all(torch.equal(p, q) for p, q in zip(first, second, strict=True))
+
+
+def test_augment_without_padding_or_flips_is_identity():
+    images, _ = indexed_images(n=4)
+    out = augment(images, torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool), 0)
+    assert torch.equal(out, images)
+
+
+@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
+def test_loaders_report_shapes(dataset):
+    cfg = parse_config(["--dataset", dataset, "--image-size", "12", "--channels", "2"])
+    train, val, info = build_loaders(cfg, CPU)
+    x, y = next(iter(train))
+    assert x.dtype == torch.float32 and y.dtype == torch.long
+    assert x.shape[1:] == (info.channels, info.image_size, info.image_size)
+    assert info.num_classes == 10 and info.train_size == train.num_examples
+    if dataset == "digits":
+        assert (info.train_size, info.val_size, info.image_size) == (1437, 360, 8)
