@@ -1,0 +1,287 @@
+"""Learning-rate schedules counted in optimizer steps, and an AMP-safe optimizer/scheduler step.
+
+Self-contained (torch + standard library only), so it can be copied alone into another project.
+Preview a schedule: python schedules.py --schedule cosine --total-steps 1000 --warmup-steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from collections.abc import Iterable
+from typing import NoReturn
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+
+SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")
+_OPTIONS = {
+    "constant": "",
+    "warmup": "",
+    "step": "step_size gamma",
+    "cosine": "min_lr_ratio",
+    "onecycle": "max_lr pct_start div_factor final_div_factor anneal_strategy three_phase",
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check(condition: bool, name: str, expected: str, value: object) -> None:
+    _require(condition, f"{name} must be {expected}; got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def steps_per_epoch(num_batches: int, accum_steps: int = 1) -> int:
+    """Optimizer steps per epoch: the last, partial accumulation window still steps."""
+    _check(_is_int(num_batches) and num_batches >= 1, "num_batches", "an int >= 1", num_batches)
+    _check(_is_int(accum_steps) and accum_steps >= 1, "accum_steps", "an int >= 1", accum_steps)
+    return -(-num_batches // accum_steps)
+
+
+def epochs_to_steps(epochs: float, num_batches: int, accum_steps: int = 1) -> int:
+    """Convert a length given in (possibly fractional) epochs to optimizer steps, rounded."""
+    _check(_is_real(epochs) and epochs >= 0, "epochs", "a number >= 0", epochs)
+    return round(epochs * steps_per_epoch(num_batches, accum_steps))
+
+
+def _lr_factor(
+    step: int,
+    *,
+    kind: str,
+    total_steps: int,
+    warmup_steps: int,
+    step_size: int = 1,
+    gamma: float = 1.0,
+    min_lr_ratio: float = 0.0,
+) -> float:
+    """Multiplier of the base lr before optimizer step `step`; past the end it holds its last value.
+
+    Module-level and bound with functools.partial so LambdaLR's state_dict stays picklable.
+    """
+    step = min(step, total_steps - 1)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    k = step - warmup_steps
+    if kind == "step":
+        return gamma ** (k // step_size)
+    if kind == "cosine":
+        cosine = 0.5 * (1 + math.cos(math.pi * k / (total_steps - warmup_steps)))
+        return min_lr_ratio + (1 - min_lr_ratio) * cosine
+    return 1.0
+
+
+def _momentum(group: dict) -> float:
+    return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
+
+
+def _onecycle(
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    max_lr: float | Iterable[float] | None = None,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    anneal_strategy: str = "cos",
+    three_phase: bool = False,
+) -> OneCycleLR:
+    """torch's OneCycleLR with its defaults, validated up front and never adding momentum.
+
+    Momentum is cycled only if every group already uses it (momentum > 0 or Adam-style betas):
+    it stays at the optimizer's own value m at the low-lr ends and dips to min(0.85, m) at the
+    peak, so it never exceeds what the user chose and plain SGD stays momentum-free.
+    """
+    groups = optimizer.param_groups
+    if max_lr is None:
+        max_lr = [float(group["lr"]) for group in groups]
+    lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
+    ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
+    _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
+    _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
+    _check(not three_phase or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
+    product = float(pct_start * total_steps)
+    _check(product != 1, "pct_start * total_steps", "!= 1 (OneCycleLR divides by 0)", product)
+    for key, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        _check(_is_real(value) and value > 0, key, "a number > 0", value)
+    strategy = anneal_strategy
+    _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
+    momenta = [_momentum(group) for group in groups]
+    cycle = all(m > 0 for m in momenta)
+    return OneCycleLR(
+        optimizer,
+        max_lr=lrs,
+        total_steps=total_steps,
+        pct_start=float(pct_start),
+        anneal_strategy=anneal_strategy,
+        cycle_momentum=cycle,
+        base_momentum=[min(0.85, m) for m in momenta] if cycle else 0.85,
+        max_momentum=momenta if cycle else 0.95,
+        div_factor=float(div_factor),
+        final_div_factor=float(final_div_factor),
+        three_phase=bool(three_phase),
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    **options: object,
+) -> LRScheduler:
+    """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
+
+    warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle,
+    whose warm phase is pct_start (default 0.3, torch's). Options equal to None take their
+    defaults: step uses step_size=ceil((total_steps - warmup_steps) / 3), gamma=0.1, i.e. decays
+    at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio (default 0) x base.
+    Lambda schedules hold their last value if stepped past the end; onecycle (torch's own)
+    raises after more than total_steps steps. To resume, build the optimizer and this
+    scheduler, then load the optimizer's state, then the scheduler's.
+    """
+    _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
+    _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
+    ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
+    _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
+    accepted = _OPTIONS[name].split()
+    for key in options:
+        _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
+    options = {key: value for key, value in options.items() if value is not None}
+    if name == "onecycle":
+        _require(
+            warmup_steps == 0,
+            "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start",
+        )
+        return _onecycle(optimizer, total_steps, **options)
+    if name == "step":
+        options.setdefault("step_size", max(1, math.ceil((total_steps - warmup_steps) / 3)))
+        options.setdefault("gamma", 0.1)
+        step_size, gamma = options["step_size"], options["gamma"]
+        _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
+        _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
+    if name == "cosine":
+        ratio = options.get("min_lr_ratio", 0.0)
+        _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
+    factor = functools.partial(
+        _lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps, **options
+    )
+    return LambdaLR(optimizer, factor)
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    *,
+    clip_grad: float | None = None,
+    parameters: Iterable[torch.Tensor] | None = None,
+) -> bool:
+    """Step the optimizer, then the scheduler only if the optimizer really stepped.
+
+    An fp16 GradScaler skips steps whose gradients hold inf/nan; advancing the schedule anyway
+    would shift it and trigger torch's "lr_scheduler.step() before optimizer.step()" warning.
+    A skip shows as the scale shrinking in update() (torch enforces backoff_factor < 1; this also
+    covers fused optimizers that skip on-device). Reading the scale syncs with the device, but
+    scaler.step already waits there for its inf check, so it adds no stall; without a scaler
+    (bf16, fp32) nothing syncs. clip_grad (None or 0 = off) clips the global grad norm of
+    `parameters` (default: all of the optimizer's), unscaled first. Gradients are not zeroed:
+    call optimizer.zero_grad(set_to_none=True) yourself. Returns whether the optimizer stepped.
+    """
+    ok = clip_grad is None or (_is_real(clip_grad) and clip_grad >= 0)
+    _check(ok, "clip_grad", "None or a number >= 0", clip_grad)
+    if clip_grad and parameters is None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    if scaler is None:
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        optimizer.step()
+        stepped = True
+    else:
+        if clip_grad:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = scaler.get_scale() >= scale
+    if stepped and scheduler is not None:
+        scheduler.step()
+    return stepped
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _plot(lrs: list[float], title: str, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no PNG written"
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(range(len(lrs)), lrs)
+    ax.set(xlabel="optimizer step", ylabel="learning rate", title=title)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc}")
+    finally:
+        plt.close(fig)
+    return f"wrote {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Preview a schedule on a dummy SGD optimizer (momentum 0.9): a table and a PNG."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.error = _fail
+    parser.add_argument("--schedule", required=True, choices=SCHEDULES)
+    parser.add_argument("--total-steps", required=True, type=int)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    names = ("step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor", "final_div_factor")
+    for key in names:
+        parser.add_argument("--" + key.replace("_", "-"), type=int if key == "step_size" else float)
+    parser.add_argument("--png", help="output path (default schedule_<name>.png; '' skips)")
+    args = parser.parse_args(argv)
+    options = {key: getattr(args, key) for key in names if getattr(args, key) is not None}
+    try:
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr, momentum=0.9)
+        scheduler = build_scheduler(
+            optimizer, args.schedule, args.total_steps, warmup_steps=args.warmup_steps, **options
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    lrs, momenta = [], []
+    for _ in range(args.total_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        momenta.append(optimizer.param_groups[0]["momentum"])
+        optimizer.step()
+        scheduler.step()
+    last = args.total_steps - 1
+    print(f"{'step':>8}  {'lr':>12}  {'momentum':>8}")
+    for k in sorted({round(i * last / 11) for i in range(12)}):
+        print(f"{k:>8}  {lrs[k]:>12.6g}  {momenta[k]:>8.4g}")
+    png = f"schedule_{args.schedule}.png" if args.png is None else args.png
+    print(_plot(lrs, f"{args.schedule} ({args.total_steps} steps)", png) if png else "no PNG")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+import io
+import math
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import schedules
+from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, steps_per_epoch
+
+BASES = (0.1, 0.03)
+
+
+def make_optimizer(kind="sgd", momentum=0.9):
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    groups = [{"params": [model.weight], "lr": BASES[0]}, {"params": [model.bias], "lr": BASES[1]}]
+    if kind == "adam":
+        return model, torch.optim.Adam(groups)
+    return model, torch.optim.SGD(groups, momentum=momentum)
+
+
+def run(optimizer, scheduler, steps, *keys):
+    """Per step and group, `keys` (default lr) read before optimizer.step(); scheduler after it."""
+    keys = keys or ("lr",)
+    seen = []
+    for _ in range(steps):
+        values = [tuple(group[key] for key in keys) for group in optimizer.param_groups]
+        seen.append([v[0] if len(v) == 1 else v for v in values])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+def closed_form(name, k, base, T, W, step_size=1, gamma=0.1, ratio=0.0):
+    if k < W:
+        return base * (k + 1) / W
+    if name == "step":
+        return base * gamma ** ((k - W) // step_size)
+    if name == "cosine":
+        m = ratio * base
+        return m + (base - m) * 0.5 * (1 + math.cos(math.pi * (k - W) / (T - W)))
+    return base
+
+
+CASES = [(1, 0, 1), (2, 1, 1), (10, 0, 3), (10, 9, 2), (17, 4, 5), (12, 3, 20), (40, 39, 1)]
+
+
+@pytest.mark.parametrize("name", ["constant", "warmup", "step", "cosine"])
+@pytest.mark.parametrize(("T", "W", "step_size"), CASES)
+def test_lambda_schedules_match_closed_form(name, T, W, step_size):
+    options = {"step": {"step_size": step_size, "gamma": 0.5}, "cosine": {"min_lr_ratio": 0.1}}
+    _, opt = make_optimizer()
+    sched = build_scheduler(opt, name, T, warmup_steps=W, **options.get(name, {}))
+    seen = run(opt, sched, T + 3)
+    for k in range(T + 3):
+        for g, base in enumerate(BASES):
+            want = closed_form(name, min(k, T - 1), base, T, W, step_size, 0.5, 0.1)
+            assert math.isclose(seen[k][g], want, rel_tol=1e-12), (k, g, seen[k][g], want)
+    if W:
+        assert seen[0][0] > 0 and math.isclose(seen[W - 1][0], BASES[0], rel_tol=1e-12)
+
+
+def test_step_and_cosine_defaults():
+    _, opt = make_optimizer()
+    seen = run(opt, build_scheduler(opt, "step", 30, warmup_steps=3), 30)
+    assert [round(lrs[0] / BASES[0], 12) for lrs in seen[3::9]] == [1.0, 0.1, 0.01]
+    _, opt = make_optimizer()
+    seen = run(opt, build_scheduler(opt, "cosine", 100), 100)
+    assert seen[0][0] == BASES[0] and 0 < seen[-1][0] < 1e-3 * BASES[0]
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 11, 100])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"pct_start": 0.25, "div_factor": 10.0},
+        {"three_phase": True, "anneal_strategy": "linear"},
+    ],
+)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_onecycle_equals_torch(T, options, kind):
+    key = "betas" if kind == "adam" else "momentum"
+    _, opt = make_optimizer(kind)
+    sched = build_scheduler(opt, "onecycle", T, **options)
+    _, ref_opt = make_optimizer(kind)
+    ref = torch.optim.lr_scheduler.OneCycleLR(
+        ref_opt, max_lr=list(BASES), total_steps=T, base_momentum=0.85, max_momentum=0.9, **options
+    )
+    assert run(opt, sched, T, "lr", key) == run(ref_opt, ref, T, "lr", key)
+    _, opt = make_optimizer(kind)
+    seen = run(opt, build_scheduler(opt, "onecycle", T, **options), T)
+    for g, base in enumerate(BASES):
+        assert seen[-1][g] == pytest.approx(base / options.get("div_factor", 25.0) / 1e4)
+
+
+def test_onecycle_never_adds_momentum():
+    _, opt = make_optimizer(momentum=0.0)
+    momenta = run(opt, build_scheduler(opt, "onecycle", 20), 20, "momentum")
+    assert all(step == [0.0, 0.0] for step in momenta)
+    model = nn.Linear(2, 2)
+    groups = [{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias]}]
+    opt = torch.optim.SGD(groups, lr=0.1)
+    momenta = run(opt, build_scheduler(opt, "onecycle", 20), 20, "momentum")
+    assert all(step == [0.9, 0.0] for step in momenta)
+    _, opt = make_optimizer(momentum=0.5)
+    momenta = run(opt, build_scheduler(opt, "onecycle", 20, max_lr=1.0), 20, "momentum")
+    assert all(step == [0.5, 0.5] for step in momenta)
+    _, opt = make_optimizer("adam")
+    betas = run(opt, build_scheduler(opt, "onecycle", 20), 20, "betas")
+    assert betas[0][0] == (0.9, 0.999) and min(b[0][0] for b in betas) == pytest.approx(0.85)
+
+
+def loop(model, opt, sched, scaler, micro_batches, accum=1, bad=(), clip=None):
+    """Training loop calling optimizer_step on every accum-th micro batch and the last one."""
+    results = []
+    for i in range(micro_batches):
+        loss = model(torch.ones(4, 2)).square().mean() / accum
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if i in bad:
+            model.weight.grad[0, 0] = float("inf")
+        if (i + 1) % accum == 0 or i == micro_batches - 1:
+            results.append(optimizer_step(opt, sched, scaler, clip_grad=clip))
+            opt.zero_grad(set_to_none=True)
+    return results
+
+
+def count_steps(opt):
+    counter = [0]
+    opt.register_step_post_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    return counter
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_grad_scaler_skipped_steps_do_not_advance_schedule(clip):
+    model, opt = make_optimizer()
+    sched = build_scheduler(opt, "cosine", 10, warmup_steps=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    steps = count_steps(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = loop(model, opt, sched, scaler, 8, bad=(0, 1, 2), clip=clip)
+    assert results == [False] * 3 + [True] * 5
+    assert steps[0] == sched.last_epoch == 5
+    assert scaler.get_scale() == 2.0**7
+    _, fresh = make_optimizer()
+    assert (
+        opt.param_groups[0]["lr"]
+        == run(fresh, build_scheduler(fresh, "cosine", 10, warmup_steps=2), 6)[5][0]
+    )
+
+
+def test_disabled_scaler_and_no_scaler_always_step():
+    for scaler in (torch.amp.GradScaler("cpu", enabled=False), None):
+        model, opt = make_optimizer()
+        sched = build_scheduler(opt, "warmup", 10, warmup_steps=5)
+        steps = count_steps(opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert loop(model, opt, sched, scaler, 4, clip=0.5) == [True] * 4
+        assert steps[0] == sched.last_epoch == 4
+
+
+@pytest.mark.parametrize("batches", [1, 5, 7, 8])
+@pytest.mark.parametrize("accum", [1, 2, 3, 8])
+def test_gradient_accumulation_step_counts(batches, accum):
+    per_epoch = steps_per_epoch(batches, accum)
+    assert per_epoch == math.ceil(batches / accum)
+    model, opt = make_optimizer()
+    sched = build_scheduler(opt, "cosine", 2 * per_epoch)
+    steps = count_steps(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert len(loop(model, opt, sched, None, batches, accum)) == per_epoch
+    assert steps[0] == sched.last_epoch == 2 * per_epoch
+
+
+def test_epochs_to_steps():
+    assert epochs_to_steps(1, 10) == 10
+    assert epochs_to_steps(0.5, 10, 3) == 2
+    assert epochs_to_steps(2, 7, 2) == 8
+    assert epochs_to_steps(0, 7) == 0
+
+
+RESUME = [
+    ("constant", 3, {}),
+    ("warmup", 4, {}),
+    ("step", 2, {"step_size": 3, "gamma": 0.5}),
+    ("cosine", 3, {"min_lr_ratio": 0.05}),
+    ("onecycle", 0, {"pct_start": 0.4}),
+]
+
+
+@pytest.mark.parametrize(("name", "W", "options"), RESUME)
+@pytest.mark.parametrize("j", [1, 5, 11])
+def test_resume_matches_uninterrupted_run(name, W, options, j):
+    assert {case[0] for case in RESUME} == set(SCHEDULES)
+    T = 12
+    _, opt = make_optimizer()
+    full = run(opt, build_scheduler(opt, name, T, warmup_steps=W, **options), T, "lr", "momentum")
+    _, opt = make_optimizer()
+    sched = build_scheduler(opt, name, T, warmup_steps=W, **options)
+    first = run(opt, sched, j, "lr", "momentum")
+    buffer = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    _, opt = make_optimizer()
+    sched = build_scheduler(opt, name, T, warmup_steps=W, **options)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    assert first + run(opt, sched, T - j, "lr", "momentum") == full
+
+
+def test_copied_alone_works(tmp_path):
+    """One interpreter (torch imports slowly): import the lone copy, then run it as a script."""
+    shutil.copy(Path(schedules.__file__), tmp_path / "schedules.py")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    code = f"""
+import pathlib, runpy, sys, torch, schedules
+assert pathlib.Path(schedules.__file__).parent == pathlib.Path({str(tmp_path)!r})
+opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+schedules.build_scheduler(opt, "cosine", 10, warmup_steps=2)
+assert opt.param_groups[0]["lr"] == 0.5
+sys.argv = "schedules.py --schedule cosine --total-steps 50 --warmup-steps 5".split()
+runpy.run_path("schedules.py", run_name="__main__")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[0] == "0" and "49" in out.stdout
+    assert "no PNG" in out.stdout or (tmp_path / "schedule_cosine.png").is_file()
+
+
+BAD = [
+    ("nope", 10, {}, "name must be one of constant, step"),
+    ("cosine", 0, {}, "total_steps"),
+    ("cosine", True, {}, "total_steps"),
+    ("cosine", 2.0, {}, "total_steps"),
+    ("cosine", 10, {"warmup_steps": -1}, "warmup_steps"),
+    ("cosine", 10, {"warmup_steps": 10}, "warmup_steps"),
+    ("cosine", 1, {"warmup_steps": 1}, "warmup_steps"),
+    ("warmup", 10, {"warmup_steps": 1.5}, "warmup_steps"),
+    ("step", 10, {"gamma": 0}, "gamma"),
+    ("step", 10, {"gamma": -0.5}, "gamma"),
+    ("step", 10, {"step_size": 0}, "step_size"),
+    ("step", 10, {"step_size": 2.5}, "step_size"),
+    ("cosine", 10, {"min_lr_ratio": -0.1}, "min_lr_ratio"),
+    ("cosine", 10, {"min_lr_ratio": 1.5}, "min_lr_ratio"),
+    ("onecycle", 10, {"max_lr": -1.0}, "max_lr"),
+    ("onecycle", 10, {"max_lr": [0.1, -1.0]}, "max_lr"),
+    ("onecycle", 10, {"max_lr": [0.1]}, "max_lr"),
+    ("onecycle", 10, {"pct_start": 0}, "pct_start"),
+    ("onecycle", 10, {"pct_start": 1}, "pct_start"),
+    ("onecycle", 10, {"pct_start": 1.2}, "pct_start"),
+    ("onecycle", 10, {"pct_start": 0.1}, "pct_start"),
+    ("onecycle", 10, {"pct_start": 0.6, "three_phase": True}, "pct_start"),
+    ("onecycle", 10, {"div_factor": 0}, "div_factor"),
+    ("onecycle", 10, {"anneal_strategy": "exp"}, "anneal_strategy"),
+    ("onecycle", 10, {"warmup_steps": 2}, "warmup_steps.*pct_start"),
+    ("cosine", 10, {"gamma": 0.1}, "'gamma' for cosine; accepted: .'min_lr_ratio'."),
+    ("constant", 10, {"step_size": 2}, "'step_size' for constant"),
+]
+
+
+@pytest.mark.parametrize(("name", "T", "kwargs", "match"), BAD)
+def test_bad_input_names_the_parameter(name, T, kwargs, match):
+    _, opt = make_optimizer()
+    with pytest.raises(ValueError, match=match):
+        build_scheduler(opt, name, T, **kwargs)
+
+
+def test_bad_counts_and_clip():
+    for args, match in [((0,), "num_batches"), ((5, 0), "accum_steps"), ((True,), "num_batches")]:
+        with pytest.raises(ValueError, match=match):
+            steps_per_epoch(*args)
+    with pytest.raises(ValueError, match="epochs"):
+        epochs_to_steps(-1, 5)
+    _, opt = make_optimizer()
+    with pytest.raises(ValueError, match="clip_grad"):
+        optimizer_step(opt, clip_grad=-1.0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--schedule", "nope", "--total-steps", "5"],
+        ["--schedule", "step", "--total-steps", "0"],
+        ["--schedule", "step", "--total-steps", "x"],
+        ["--schedule", "step", "--total-steps", "9", "--gamma", "-1"],
+        ["--schedule", "cosine", "--total-steps", "9", "--lr", "-1"],
+        ["--total-steps", "9"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        schedules.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_cli_table(capsys, tmp_path):
+    png = tmp_path / "s.png"
+    assert (
+        schedules.main(["--schedule", "onecycle", "--total-steps", "100", "--png", str(png)]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[1:13]]
+    assert len(rows) == 12 and rows[0][0] == "0" and rows[-1][0] == "99"
+    assert float(rows[-1][1]) == pytest.approx(0.1 / 25 / 1e4)
+    assert png.is_file() or lines[-1].startswith("matplotlib is not installed")
