@@ -81,6 +81,29 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def sync_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank.
+
+    DDP broadcasts buffers at the start of each forward, so after the last one every rank holds
+    statistics updated by its own shard; syncing before evaluation and saving removes that skew.
+    """
+    if is_distributed():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def ranks_agree(module: nn.Module) -> bool:
+    """True when every rank holds bit-identical parameters and buffers (a DDP sanity check)."""
+    if not is_distributed():
+        return True
+    flat = torch.cat([t.detach().reshape(-1).double() for t in module.state_dict().values()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([float(torch.equal(flat, reference))], device=flat.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def cleanup_distributed() -> None:
     if is_distributed():
         dist.destroy_process_group()

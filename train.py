@@ -237,6 +237,7 @@ def train(cfg: Config) -> dict:
                     "`python train.py --resume` and the same options")
                 raise SystemExit(128 + (stop.signal or signal.SIGTERM))
         bar.close()
+        runtime.sync_buffers(model)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - epoch_start
@@ -258,7 +259,8 @@ def train(cfg: Config) -> dict:
     summary = {"val_acc": val_acc, "val_loss": val_loss, "best_val_acc": best_acc,
                "epochs": cfg.epochs, "steps": step, "seconds": time.perf_counter() - started,
                "images_per_second": sum(steady) / len(steady) if steady else math.nan,
-               "lr": lr, "world_size": world_size, "device": str(device)}
+               "lr": lr, "world_size": world_size, "device": str(device),
+               "ranks_in_sync": runtime.ranks_agree(model)}
     if writer:
         hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
         writer.add_hparams({**hparams, "lr": lr},

@@ -1,0 +1,157 @@
+"""End to end: train.py on tiny data, its logs, its summary, and its one-line errors."""
+
+import json
+import struct
+import sys
+
+import pytest
+import torch
+from conftest import read_scalars
+
+import train
+from configs import parse_config
+from schedules import build_scheduler
+
+TAGS = {"train/loss", "train/lr", "val/loss", "val/acc"}
+SUMMARY_KEYS = {"val_acc", "val_loss", "best_val_acc", "epochs", "steps", "seconds",
+                "images_per_second"}
+
+
+def check_outputs(out_dir, epochs: int = 1):
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["epochs"] == epochs and summary["steps"] > 0
+    assert 0 <= summary["val_acc"] <= 1 and summary["images_per_second"] > 0
+    scalars = read_scalars(out_dir)
+    assert TAGS <= scalars.keys()
+    assert len(scalars["val/acc"]) == epochs
+    assert (out_dir / "last.pt").is_file() and (out_dir / "config.json").is_file()
+    return summary, scalars
+
+
+def run_train(tmp_path, *argv):
+    return train.train(parse_config(["--out-dir", str(tmp_path), "--device", "cpu", *argv]))
+
+
+def test_default_config_one_epoch_from_the_command_line(tmp_path, script):
+    result = script("train.py", "--epochs", "1", "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "digits" in result.stdout and "val acc" in result.stdout
+    check_outputs(tmp_path)
+
+
+def test_synthetic_learns(tmp_path):
+    summary = run_train(tmp_path, "--dataset", "synthetic", "--synthetic-size", "512",
+                        "--image-size", "8", "--epochs", "3", "--batch-size", "64", "--lr", "0.1",
+                        "--width", "8")
+    check_outputs(tmp_path, epochs=3)
+    assert summary["val_acc"] > 0.5  # ten classes: chance is 0.1
+
+
+def test_imagefolder_from_png_files(tmp_path):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    root = tmp_path / "images"
+    for split, count in (("train", 24), ("val", 8)):
+        for label, name in enumerate(("dark", "light")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for k in range(count):
+                base = 40 + 150 * label
+                pixels = (base + torch.randint(0, 60, (20, 20, 3), generator=g)).to(torch.uint8)
+                Image.fromarray(pixels.numpy()).save(folder / f"{k}.png")
+    out = tmp_path / "run"
+    summary = run_train(out, "--dataset", "imagefolder", "--data-dir", str(root), "--image-size",
+                        "16", "--epochs", "2", "--batch-size", "16", "--num-workers", "1",
+                        "--width", "8", "--lr", "0.05")
+    check_outputs(out, epochs=2)
+    assert summary["best_val_acc"] >= 0.75
+
+
+def write_idx(path, array: torch.Tensor, magic: int):
+    header = struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.numpy().tobytes())
+
+
+def test_mnist_from_tiny_idx_files(tmp_path):
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 96), ("t10k", 32)):
+        labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
+        images = torch.zeros(n, 28, 28, dtype=torch.uint8)
+        for i, label in enumerate(labels.tolist()):  # a bright bar whose position is the label
+            images[i, 2 + 2 * label: 4 + 2 * label, 4:24] = 255
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images, 2051)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels, 2049)
+    out = tmp_path / "run"
+    run_train(out, "--dataset", "mnist", "--data-dir", str(tmp_path / "data"), "--epochs", "1",
+              "--batch-size", "32", "--width", "8")
+    check_outputs(out)
+
+
+@pytest.mark.parametrize("schedule, extra", [
+    ("cosine", ["--warmup-epochs", "1", "--min-lr-ratio", "0.1"]),
+    ("onecycle", []),
+    ("step", ["--step-size", "1", "--gamma", "0.5", "--accum-steps", "3"]),
+])
+def test_logged_lr_equals_the_schedule(tmp_path, schedule, extra):
+    summary = run_train(tmp_path, "--dataset", "synthetic", "--synthetic-size", "200",
+                        "--image-size", "8", "--epochs", "3", "--batch-size", "32", "--width", "4",
+                        "--log-every", "1", "--schedule", schedule, "--lr", "0.05", *extra)
+    logged = read_scalars(tmp_path)["train/lr"]
+    cfg = parse_config(["--dataset", "synthetic", "--schedule", schedule, "--lr", "0.05",
+                        "--epochs", "3", *extra])
+    batches = 200 // 32
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
+    scheduler, total = train.make_scheduler(cfg, opt, batches)
+    expected = []
+    for _ in range(total):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert summary["steps"] == total == len(logged)
+    assert [s for s, _ in logged] == list(range(1, total + 1))
+    assert [v for _, v in logged] == pytest.approx(expected, rel=1e-6)
+    assert isinstance(build_scheduler, object)
+
+
+BAD_INPUTS = [
+    ["--epoch", "3"],
+    ["--epochs", "two"],
+    ["--lr", "-1"],
+    ["--batch-size", "0"],
+    ["--schedule", "cosin"],
+    ["--dataset", "cifar"],
+    ["--model", "resnet1"],
+    ["--config", "configs/missing.toml"],
+    ["--dataset", "imagefolder", "--data-dir", "/nonexistent/images"],
+    ["--lr", "auto", "--out-dir", "/nonexistent/run"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_bad_input_from_the_real_command_line(script):
+    result = script("train.py", "--epoch", "3")
+    assert result.returncode == 2
+    assert result.stderr == "error: unknown option --epoch; did you mean '--epochs'? (see --help)\n"
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_missing_dataset_offline_says_where_and_how(tmp_path, script):
+    result = script("train.py", "--dataset", "cifar10", "--data-dir", str(tmp_path / "nothing"),
+                    "--device", "cpu", "--out-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and "cifar10" in line and str(tmp_path / "nothing") in line
+    assert "Traceback" not in result.stderr
