@@ -58,9 +58,9 @@ class Config:
     div_factor: float = 25.0
     final_div_factor: float = 1e4
     # lr_find.py
-    find_start_lr: float = 1e-6
+    find_start_lr: float = 1e-7
     find_end_lr: float = 10.0
-    find_iters: int = 100
+    find_iters: int = 50
     find_method: str = "steepest"
     # runtime
     device: str = "auto"  # auto picks cuda > mps > cpu
