@@ -10,6 +10,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -100,8 +101,17 @@ class StopFlag:
 
     def __init__(self):
         self.signal = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._set)
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._set)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _set(self, signum, frame):
         if self.signal:  # a second Ctrl-C means now
@@ -186,74 +196,72 @@ def train(cfg: Config) -> dict:
         f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
         f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
 
-    stop = StopFlag()
     batches = len(train_batches)
     val_loss = val_acc = float("nan")
     epoch_rates, started = [], time.perf_counter()
-    for epoch in range(start_epoch, cfg.epochs):
-        net.train()
-        bar = tqdm(total=batches, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not (is_main and sys.stdout.isatty()), leave=False)
-        loss_sum = torch.zeros((), device=device)
-        loss_count, position, stopping = 0, start_batch, False
-        epoch_start = time.perf_counter()
-        images_this_epoch = 0
-        for i, (inputs, targets) in enumerate(train_batches.epoch(epoch, start_batch), start_batch):
-            group_start = i - i % cfg.accum_steps
-            group_size = min(cfg.accum_steps, batches - group_start)
-            steps_now = i + 1 == group_start + group_size
-            sync = nullcontext() if steps_now or world_size == 1 else net.no_sync()
-            with sync:
-                with runtime.autocast(device, amp_dtype):
-                    loss = F.cross_entropy(net(inputs), targets, label_smoothing=cfg.label_smoothing)
-                scaled = loss / group_size
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            loss_sum += loss.detach()
-            loss_count += 1
-            images_this_epoch += len(targets) * world_size
-            if not steps_now:
-                continue
-            step_lr = optimizer.param_groups[0]["lr"]
-            optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % cfg.log_every == 0 or i + 1 == batches:
-                train_loss = (loss_sum / loss_count).item()
-                loss_sum.zero_()
-                loss_count = 0
-                if writer:
-                    writer.add_scalar("train/loss", train_loss, step)
-                    writer.add_scalar("train/lr", step_lr, step)
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{step_lr:.3g}", refresh=False)
-                bar.update(i + 1 - position)
-                position = i + 1
-                stopping = world_size > 1 and stop.agreed(device)
-            position = i + 1
-            if cfg.save_every and step % cfg.save_every == 0:
-                checkpoint(epoch, position)
-            if stopping or (world_size == 1 and stop.signal):
-                checkpoint(epoch, position)
-                say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; continue with "
-                    "`python train.py --resume` and the same options")
-                raise SystemExit(128 + (stop.signal or signal.SIGTERM))
-        bar.close()
-        runtime.sync_buffers(model)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - epoch_start
-        epoch_rates.append(images_this_epoch / max(seconds, 1e-9))
-        start_batch = 0
-        val_loss, val_acc = evaluate(fast, val_batches, device, amp_dtype)
-        improved = val_acc > best_acc
-        best_acc = max(best_acc, val_acc)
-        if writer:
-            writer.add_scalar("val/loss", val_loss, step)
-            writer.add_scalar("val/acc", val_acc, step)
-        say(f"epoch {epoch + 1}/{cfg.epochs}  step {step}  val loss {val_loss:.4f}  "
-            f"val acc {val_acc:.2%}  ({epoch_rates[-1]:,.0f} img/s)")
-        checkpoint(epoch + 1, 0)
-        if improved:
-            checkpoint(epoch + 1, 0, "best.pt")
+    with StopFlag() as stop:
+        for epoch in range(start_epoch, cfg.epochs):
+            net.train()
+            bar = tqdm(total=batches, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                       disable=not (is_main and sys.stdout.isatty()), leave=False)
+            loss_sum = torch.zeros((), device=device)
+            loss_count, stopping = 0, False
+            epoch_start = time.perf_counter()
+            images_this_epoch = 0
+            for i, (inputs, targets) in enumerate(train_batches.epoch(epoch, start_batch), start_batch):
+                group_start = i - i % cfg.accum_steps
+                group_size = min(cfg.accum_steps, batches - group_start)
+                steps_now = i + 1 == group_start + group_size
+                sync = nullcontext() if steps_now or world_size == 1 else net.no_sync()
+                with sync:
+                    with runtime.autocast(device, amp_dtype):
+                        loss = F.cross_entropy(net(inputs), targets, label_smoothing=cfg.label_smoothing)
+                    scaled = loss / group_size
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                loss_sum += loss.detach()
+                loss_count += 1
+                images_this_epoch += len(targets) * world_size
+                if not steps_now:
+                    continue
+                step_lr = optimizer.param_groups[0]["lr"]
+                optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                if step % cfg.log_every == 0 or i + 1 == batches:
+                    train_loss = (loss_sum / loss_count).item()
+                    loss_sum.zero_()
+                    loss_count = 0
+                    if writer:
+                        writer.add_scalar("train/loss", train_loss, step)
+                        writer.add_scalar("train/lr", step_lr, step)
+                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{step_lr:.3g}", refresh=False)
+                    bar.update(i + 1 - bar.n)
+                    stopping = world_size > 1 and stop.agreed(device)
+                stopping = stopping or (world_size == 1 and bool(stop.signal))
+                if stopping or (cfg.save_every and step % cfg.save_every == 0):
+                    checkpoint(epoch, i + 1)
+                if stopping:
+                    say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; continue with "
+                        "`python train.py --resume` and the same options")
+                    raise SystemExit(128 + (stop.signal or signal.SIGTERM))
+            bar.close()
+            runtime.sync_buffers(model)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - epoch_start
+            epoch_rates.append(images_this_epoch / max(seconds, 1e-9))
+            start_batch = 0
+            val_loss, val_acc = evaluate(fast, val_batches, device, amp_dtype)
+            improved = val_acc > best_acc
+            best_acc = max(best_acc, val_acc)
+            if writer:
+                writer.add_scalar("val/loss", val_loss, step)
+                writer.add_scalar("val/acc", val_acc, step)
+            say(f"epoch {epoch + 1}/{cfg.epochs}  step {step}  val loss {val_loss:.4f}  "
+                f"val acc {val_acc:.2%}  ({epoch_rates[-1]:,.0f} img/s)")
+            checkpoint(epoch + 1, 0)
+            if improved:
+                checkpoint(epoch + 1, 0, "best.pt")
 
     steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
     summary = {"val_acc": val_acc, "val_loss": val_loss, "best_val_acc": best_acc,
