@@ -1,0 +1,385 @@
+"""Benchmark the template: `python bench.py [--device cpu|cuda] [--json FILE] [--quick] [--repeats N]`.
+
+Four questions, one run: does train.py's loop cost anything over a bare loop of the same model
+and data (loop_vs_bare), how much faster is the device-resident loader than a per-sample
+torchvision DataLoader (loader_speedup), what does lr_find add per iteration (lr_find_overhead),
+and how many images per second do the default and CIFAR-10 setups train at. Ratios come from
+interleaved repeats (so drift hits both sides alike) and are reported as median and min/max.
+
+On a CPU that other busy processes share, multi-threaded ops stall (OpenMP threads spin-wait for a
+preempted sibling) and run many times slower, so on CPU the ratios use one thread by default; the
+throughput figures use torch's thread count, and `OMP_WAIT_POLICY=PASSIVE` keeps them usable there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import runtime
+from configs import Config, UserError, exit_with_error, parse_config
+from data import Batches, build_loaders
+from models import build_model, build_optimizer
+
+ROOT = Path(__file__).resolve().parent
+TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if visible)")
+    parser.add_argument("--json", default="runs/bench.json", help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for tests (~30 s on CPU)")
+    parser.add_argument("--repeats", type=int, default=0, help="interleaved repeats (default 5, quick 2)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="batch for the cifar10 model (default 512; 32 with --quick on CPU)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads for the throughput figures (default: torch's own)")
+    parser.add_argument("--ratio-threads", type=int, default=0,
+                        help="torch threads for loop_vs_bare and lr_find_overhead (default: 1 on CPU)")
+    args = parser.parse_args(argv)
+    if min(args.repeats, args.batch_size, args.threads, args.ratio_threads) < 0:
+        parser.error("--repeats, --batch-size, --threads and --ratio-threads must be >= 0")
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    return args
+
+
+def spread(values: list[float]) -> dict:
+    """Median plus min/max: the median resists one disturbed repeat, min/max show how noisy it was."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": list(values)}
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loop_config(device: str, epochs: int, out_dir: str) -> Config:
+    """The default run (resnet_small on digits, batch 128), shortened to `epochs`."""
+    return parse_config(["--device", device, "--epochs", str(epochs), "--out-dir", out_dir])
+
+
+def cifar_config(device: str, batch_size: int, images: int) -> Config:
+    """configs/cifar10.toml on synthetic CIFAR-shaped data, so nothing needs downloading."""
+    return parse_config(["--config", str(ROOT / "configs" / "cifar10.toml"), "--device", device,
+                         "--dataset", "synthetic", "--image-size", "32", "--channels", "3",
+                         "--synthetic-size", str(images), "--batch-size", str(batch_size)])
+
+
+def setup(cfg: Config, device: torch.device, lr: float | None = None):
+    """Loaders, model, optimizer and AMP built exactly as train.py builds them."""
+    torch.manual_seed(cfg.seed)
+    train_batches, _, info = build_loaders(cfg, device)
+    model = build_model(cfg, info.channels, info.num_classes).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
+    amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+    model.train()
+    return train_batches, model, optimizer, amp_dtype, scaler
+
+
+def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, label_smoothing: float) -> int:
+    """Forward, backward, optimizer step and nothing else; returns the number of images."""
+    images = 0
+    for inputs, targets in batches:
+        with runtime.autocast(device, amp_dtype):
+            loss = F.cross_entropy(model(inputs), targets, label_smoothing=label_smoothing)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        images += len(targets)
+    return images
+
+
+def bare_rate(cfg: Config, device: torch.device) -> float:
+    """Images/s of the bare loop, timed as train.py times itself: per epoch, mean over epochs 2+."""
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    rates = []
+    for epoch in range(cfg.epochs):
+        start = time.perf_counter()
+        images = bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(epoch),
+                            cfg.label_smoothing)
+        sync(device)
+        rates.append(images / (time.perf_counter() - start))
+    steady = rates[1:] or rates
+    return sum(steady) / len(steady)
+
+
+def train_rate(cfg: Config) -> float:
+    """train.train's own steady-state images/s, with its printing silenced and its signal handlers
+    undone afterwards (it installs a StopFlag that would otherwise swallow this process's Ctrl-C)."""
+    import train
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            summary = train.train(cfg)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return float(summary["images_per_second"])
+
+
+def measure_default_model(device_name: str, device: torch.device, epochs: int, repeats: int) -> dict:
+    """The bare loop's images/s on the default setup at the throughput thread count."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        return spread([bare_rate(loop_config(device_name, epochs, tmp), device) for _ in range(repeats)])
+
+
+def lr_find_seconds(cfg: Config, device: torch.device, num_iter: int) -> tuple[float, int]:
+    """Wall time of one whole lr_find call (snapshot and restore included) and its iterations.
+
+    The sweep stays in a trainable range and `diverge` is huge, so it runs all num_iter steps.
+    """
+    from lr_find import lr_find
+
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing)
+
+    sync(device)
+    start = time.perf_counter()
+    result = lr_find(model, optimizer, loss_fn, train_batches, start_lr=1e-4, end_lr=0.1,
+                     num_iter=num_iter, smooth=0.98, diverge=1e9, autocast_dtype=amp_dtype,
+                     scaler=scaler, device=device)
+    sync(device)
+    return time.perf_counter() - start, len(result.lrs)
+
+
+def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: int,
+                 lr_find_iters: int) -> dict:
+    """Bare loop, then (train.py, lr_find, bare loop) per repeat, on the default setup.
+
+    Each train.py and lr_find run is compared with the mean of the bare runs just before and just
+    after it, which cancels drift that is linear over the repeat.
+    """
+    bare, trained, find_seconds, find_iters = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        warm = loop_config(device_name, 2, tmp)  # first use in the process: imports, kernel caches
+        bare_rate(warm, device)
+        train_rate(warm)
+        cfg = loop_config(device_name, epochs, tmp)
+        bare.append(bare_rate(cfg, device))
+        for r in range(repeats):
+            cfg.out_dir = str(Path(tmp) / f"run{r}")
+            trained.append(train_rate(cfg))
+            seconds, iters = lr_find_seconds(cfg, device, lr_find_iters)
+            find_seconds.append(seconds / iters)
+            find_iters.append(iters)
+            bare.append(bare_rate(cfg, device))
+    around = [(a + b) / 2 for a, b in pairwise(bare)]
+    batch = cfg.batch_size
+    return {"loop_vs_bare": spread([t / b for t, b in zip(trained, around, strict=True)]),
+            "lr_find_overhead": spread([s * b / batch for s, b in zip(find_seconds, around, strict=True)]),
+            "bare_images_per_second": spread(bare), "train_images_per_second": spread(trained),
+            "lr_find_seconds_per_iter": spread(find_seconds), "lr_find_iters": min(find_iters),
+            "batch_size": batch, "epochs": epochs}
+
+
+class PerSampleSet(torch.utils.data.Dataset):
+    """uint8 CHW images served one at a time through torchvision transforms (the usual recipe)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.images[i]), self.labels[i]
+
+
+def timed_after_first(batches: Iterable, device: torch.device) -> float:
+    """Images/s from the first batch's arrival to the end: worker start-up is not counted."""
+    images, start = 0, None
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        if start is None:
+            sync(device)
+            start = time.perf_counter()
+        else:
+            images += len(targets)
+    sync(device)
+    return images / (time.perf_counter() - start)
+
+
+def measure_loader(device: torch.device, count: int, batch_size: int, repeats: int) -> dict:
+    """Device-resident batched crop+flip+normalize against a 2-worker per-sample DataLoader."""
+    from torchvision import transforms
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (count, 3, 32, 32), generator=g, dtype=torch.uint8)
+    labels = torch.randint(0, 10, (count,), generator=g)
+    mean, std = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
+    resident = Batches(images.to(device), labels.to(device), batch_size=batch_size, train=True,
+                       mean=mean, std=std, pad=4, flip=True, seed=0, device=device)
+    transform = transforms.Compose([
+        transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
+        transforms.ConvertImageDtype(torch.float32), transforms.Normalize(mean.tolist(), std.tolist())])
+    dataset = PerSampleSet(images, labels, transform)
+    device_rates, loader_rates = [], []
+    for r in range(repeats):
+        device_rates.append(timed_after_first(resident.epoch(r), device))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=2,
+                                             drop_last=True, pin_memory=device.type == "cuda")
+        loader_rates.append(timed_after_first(loader, device))
+    ratios = [d / w for d, w in zip(device_rates, loader_rates, strict=True)]
+    return {"loader_speedup": spread(ratios), "device_images_per_second": spread(device_rates),
+            "dataloader_images_per_second": spread(loader_rates), "images": count,
+            "batch_size": batch_size}
+
+
+def measure_cifar_model(device_name: str, device: torch.device, batch_size: int, warmup: int,
+                        steps: int) -> float:
+    """Images/s of full training steps of the cifar10 preset's model on synthetic 32 px data."""
+    cfg = cifar_config(device_name, batch_size, batch_size * (warmup + steps))
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    batches = list(train_batches.epoch(0))
+    bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], cfg.label_smoothing)
+    sync(device)
+    start = time.perf_counter()
+    images = bare_steps(model, optimizer, amp_dtype, scaler, device, batches[warmup:], cfg.label_smoothing)
+    sync(device)
+    return images / (time.perf_counter() - start)
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
+    scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20, "process RSS (ru_maxrss)"
+
+
+def table(result: dict) -> str:
+    def row(name: str, stats: dict, fmt: str, target: str = "") -> str:
+        cells = "".join(f"{stats[k]:>12{fmt}}" for k in ("median", "min", "max"))
+        return f"{name:<34}{cells}  {target}"
+
+    loop, loader, cifar = result["details"]["loop"], result["details"]["loader"], result["details"]["cifar10"]
+    lines = [
+        f"bench on {result['device']}: torch {result['torch_version']}, {result['threads']} threads "
+        f"({result['ratio_threads']} for the ratios), {result['repeats']} interleaved repeats, load average "
+        f"{result['load_average_1min'][0]:.1f} -> {result['load_average_1min'][1]:.1f}",
+        f"{'':<34}{'median':>12}{'min':>12}{'max':>12}  target",
+        row("loop_vs_bare", loop["loop_vs_bare"], ".3f", TARGETS["loop_vs_bare"]),
+        row("loader_speedup", loader["loader_speedup"], ".1f", TARGETS["loader_speedup"]),
+        row("lr_find_overhead", loop["lr_find_overhead"], ".3f", TARGETS["lr_find_overhead"]),
+        row(f"  bare loop img/s ({result['ratio_threads']} thr)", loop["bare_images_per_second"], ",.0f"),
+        row(f"  train.py img/s ({result['ratio_threads']} thr)", loop["train_images_per_second"], ",.0f"),
+        row(f"  lr_find ms/iter ({loop['lr_find_iters']} iters)",
+            {k: v * 1e3 for k, v in loop["lr_find_seconds_per_iter"].items() if k != "runs"}, ".2f"),
+        row("  device-resident loader img/s", loader["device_images_per_second"], ",.0f"),
+        row("  DataLoader (2 workers) img/s", loader["dataloader_images_per_second"], ",.0f"),
+        row("images/s resnet_small digits", result["details"]["default"], ",.0f",
+            f"bare loop, batch {loop['batch_size']}, {result['threads']} threads"),
+        f"{'images/s resnet9 cifar10 preset':<34}{result['images_per_second']['cifar10']:>12,.0f}"
+        f"  batch {cifar['batch_size']}, {cifar['steps']} steps after {cifar['warmup']} warm-up",
+        f"{'peak memory MB':<34}{result['peak_memory_mb']:>12,.0f}  {result['peak_memory_kind']}",
+        f"loop: digits, {loop['epochs']} epochs, epochs 2+ timed as train.py does; loader: "
+        f"{loader['images']:,} random uint8 3x32x32, batch {loader['batch_size']}, both timed from the "
+        "first batch (worker start-up excluded)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = runtime.pick_device(args.device)
+    except UserError as err:
+        exit_with_error(str(err))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    quick, cpu = args.quick, device.type == "cpu"
+    # Ratios on one thread by default on CPU: when another process takes a core, a 2-thread step
+    # waits for its preempted half at every op and runs up to 50x slower, so 2-thread ratios on a
+    # shared machine are noise. The ratios measure per-step overhead, which threads barely change.
+    ratio_threads = args.ratio_threads or (1 if cpu else torch.get_num_threads())
+    phases = {}
+
+    def phase(name: str, run: Callable):
+        start = time.perf_counter()
+        value = run()
+        phases[name] = round(time.perf_counter() - start, 1)
+        return value
+
+    with torch_threads(ratio_threads):
+        loop = phase("loop_and_lr_find", lambda: measure_loop(
+            args.device, device, epochs=3 if quick else 8, repeats=args.repeats,
+            lr_find_iters=20 if quick else 50))
+    default = phase("default_model", lambda: measure_default_model(
+        args.device, device, epochs=3 if quick else 4, repeats=1 if quick else 3))
+    loader = phase("loader", lambda: measure_loader(
+        device, 5_000 if quick else 50_000, 512, repeats=min(args.repeats, 3)))
+    batch = args.batch_size or (32 if quick and cpu else 512)
+    warmup, steps = (1, 3) if cpu or quick else (5, 20)
+    cifar = phase("cifar10_model", lambda: measure_cifar_model(args.device, device, batch, warmup, steps))
+    memory, memory_kind = peak_memory(device)
+    result = {
+        "loop_vs_bare": loop["loop_vs_bare"]["median"],
+        "loader_speedup": loader["loader_speedup"]["median"],
+        "lr_find_overhead": loop["lr_find_overhead"]["median"],
+        "images_per_second": {"default": default["median"], "cifar10": cifar},
+        "peak_memory_mb": memory, "peak_memory_kind": memory_kind,
+        "loop_vs_bare_runs": loop["loop_vs_bare"]["runs"],
+        "loader_speedup_runs": loader["loader_speedup"]["runs"],
+        "lr_find_overhead_runs": loop["lr_find_overhead"]["runs"],
+        "torch_version": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
+        "ratio_threads": ratio_threads,
+        "repeats": args.repeats, "quick": quick,
+        # other processes on the machine show here; they, not the code, explain a wide min/max
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "details": {"loop": loop, "loader": loader, "default": default,
+                    "cifar10": {"images_per_second": cifar, "batch_size": batch, "warmup": warmup,
+                                "steps": steps}},
+    }
+    result["seconds"] = time.perf_counter() - started
+    result["phase_seconds"] = phases
+    print(table(result))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, allow_nan=False))
+    print(f"wrote {path} in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
