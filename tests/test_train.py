@@ -1,6 +1,7 @@
 """End to end: train.py on tiny data, its logs, its summary, and its one-line errors."""
 
 import json
+import math
 import struct
 import sys
 
@@ -155,3 +156,18 @@ def test_missing_dataset_offline_says_where_and_how(tmp_path, script):
     line = result.stderr.strip()
     assert "\n" not in line and "cifar10" in line and str(tmp_path / "nothing") in line
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("extra", [
+    ["--amp", "fp16", "--accum-steps", "2", "--clip-grad", "1.0", "--label-smoothing", "0.1"],
+    ["--amp", "bf16", "--channels-last", "--optimizer", "adamw", "--lr", "0.003"],
+    ["--loader", "dataloader", "--num-workers", "0", "--schedule", "warmup", "--warmup-epochs", "1"],
+])
+def test_amp_accumulation_and_loader_variants_run(tmp_path, extra):
+    summary = run_train(tmp_path, "--dataset", "synthetic", "--synthetic-size", "256",
+                        "--image-size", "8", "--epochs", "2", "--batch-size", "32", "--width", "8",
+                        *extra)
+    check_outputs(tmp_path, epochs=2)
+    accum = 2 if "--accum-steps" in extra else 1
+    assert summary["steps"] == 2 * -(-(256 // 32) // accum)
+    assert math.isfinite(summary["val_loss"])
