@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -166,19 +165,14 @@ def theirs(cfg: Config, device: torch.device, tlf) -> dict:
 
 
 def train_acc(optimizer: str, seed: int, lr: float, args: argparse.Namespace, tmp: str) -> dict:
-    """train.train with onecycle at peak `lr`, silenced; its signal handlers undone afterwards."""
+    """train.train with onecycle at peak `lr`, silenced."""
     import train
 
     out_dir = Path(tmp) / f"{optimizer}-{seed}-{lr:.6g}"
     cfg = make_config(optimizer, seed, args.device, "--schedule", "onecycle", "--lr", repr(lr),
                       "--epochs", str(args.epochs), "--out-dir", str(out_dir))
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            summary = train.train(cfg)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = train.train(cfg)
     acc, best = float(summary["val_acc"]), float(summary["best_val_acc"])
     return {"val_acc": acc if math.isfinite(acc) else 0.0, "best_val_acc": best}
 
