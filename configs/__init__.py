@@ -201,8 +201,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser(description: str) -> _Parser:
-    parser = _Parser(description=description, allow_abbrev=False,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
     for f in fields(Config):
         if f.name == "resume":
@@ -212,8 +211,10 @@ def _parser(description: str) -> _Parser:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=f"default {f.default}")
         else:
-            parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar="VALUE",
-                                help=f"default {f.default}")
+            choices = _CHOICES.get(f.name)
+            parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
+                                help=(f"{'|'.join(choices)}; " if choices else "")
+                                + f"default {f.default}")
     return parser
 
 
