@@ -216,7 +216,7 @@ def train(cfg: Config) -> dict:
                 with sync:
                     with runtime.autocast(device, amp_dtype):
                         loss = F.cross_entropy(net(inputs), targets, label_smoothing=cfg.label_smoothing)
-                    scaled = loss / group_size
+                    scaled = loss / group_size if group_size > 1 else loss
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 loss_sum += loss.detach()
                 loss_count += 1
