@@ -81,6 +81,20 @@ def check_resumable(saved: dict, cfg: Config) -> None:
                         "; use the same settings, or a new --out-dir")
 
 
+def refuse_to_overwrite(path: Path) -> None:
+    """A fresh run may replace a finished run's checkpoint, never an unfinished one's."""
+    if not path.is_file():
+        return
+    try:
+        saved = runtime.load_checkpoint(path)
+    except UserError:
+        return  # unreadable, so there is nothing to continue
+    if saved.get("step", 0) < saved.get("total_steps", 0):
+        raise UserError(f"{path} holds an unfinished run (step {saved['step']} of "
+                        f"{saved['total_steps']}); continue it with --resume, or pick another "
+                        "--out-dir, or delete the file to start over")
+
+
 @torch.no_grad()
 def evaluate(model, batches, device, amp_dtype) -> tuple[float, float]:
     model.eval()
@@ -165,6 +179,8 @@ def train(cfg: Config) -> dict:
         best_acc = ckpt.get("best_val_acc", 0.0)
         restore_rng_state(ckpt["rng"])
         say(f"resumed from {path} at epoch {start_epoch}, batch {start_batch}, step {step}")
+    else:
+        refuse_to_overwrite(out_dir / "last.pt")
 
     fast = torch.compile(model) if cfg.compile else model
     net = fast
@@ -178,7 +194,8 @@ def train(cfg: Config) -> dict:
                 "model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None,
-                "epoch": epoch, "batch": batch, "step": step, "best_val_acc": best_acc,
+                "epoch": epoch, "batch": batch, "step": step, "total_steps": total_steps,
+                "best_val_acc": best_acc,
                 "rng": capture_rng_state(), "config": cfg.to_dict(),
             }, out_dir / name)
 

@@ -76,6 +76,9 @@ def test_sigterm_saves_before_exiting(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert "interrupted" in out and "--resume" in out
     assert runtime.load_checkpoint(tmp_path / "last.pt")["step"] > 16
+    fresh = run_script("train.py", *RUN, "--epochs", "50", "--out-dir", str(tmp_path))
+    assert fresh.returncode == 2 and fresh.stderr.count("\n") == 1
+    assert "unfinished run" in fresh.stderr and "--resume" in fresh.stderr
 
 
 def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
