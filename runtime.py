@@ -81,6 +81,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def from_rank0(value):
+    """Rank 0's value on every rank, for decisions only rank 0 can make (its files, say)."""
+    if not is_distributed():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def sync_buffers(module: nn.Module) -> None:
     """Copy rank 0's buffers (BatchNorm statistics) to every rank.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -81,18 +82,18 @@ def check_resumable(saved: dict, cfg: Config) -> None:
                         "; use the same settings, or a new --out-dir")
 
 
-def refuse_to_overwrite(path: Path) -> None:
-    """A fresh run may replace a finished run's checkpoint, never an unfinished one's."""
+def unfinished_run(path: Path) -> str | None:
+    """Why a fresh run must not replace this checkpoint (an unfinished run's), or None."""
     if not path.is_file():
-        return
+        return None
     try:
         saved = runtime.load_checkpoint(path)
     except UserError:
-        return  # unreadable, so there is nothing to continue
+        return None  # unreadable, so there is nothing to continue
     if saved.get("step", 0) < saved.get("total_steps", 0):
-        raise UserError(f"{path} holds an unfinished run (step {saved['step']} of "
-                        f"{saved['total_steps']}); continue it with --resume, or pick another "
-                        "--out-dir, or delete the file to start over")
+        return (f"{path} holds an unfinished run (step {saved['step']} of {saved['total_steps']}); "
+                "continue it with --resume, or pick another --out-dir, or delete the file to start over")
+    return None
 
 
 @torch.no_grad()
@@ -144,7 +145,9 @@ def main() -> None:
     try:
         train(cfg)
     except UserError as err:
-        exit_with_error(str(err))
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from one process
+            exit_with_error(str(err))
+        raise SystemExit(2) from None
     finally:
         runtime.cleanup_distributed()
 
@@ -180,7 +183,9 @@ def train(cfg: Config) -> dict:
         restore_rng_state(ckpt["rng"])
         say(f"resumed from {path} at epoch {start_epoch}, batch {start_batch}, step {step}")
     else:
-        refuse_to_overwrite(out_dir / "last.pt")
+        problem = runtime.from_rank0(unfinished_run(out_dir / "last.pt") if is_main else None)
+        if problem:
+            raise UserError(problem)
 
     fast = torch.compile(model) if cfg.compile else model
     net = fast
