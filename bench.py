@@ -96,9 +96,7 @@ def setup(cfg: Config, device: torch.device, lr: float | None = None):
     """Loaders, model, optimizer and AMP built exactly as train.py builds them."""
     torch.manual_seed(cfg.seed)
     train_batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_classes).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = build_model(cfg, info.channels, info.num_classes, device)
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
     model.train()

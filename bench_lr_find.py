@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import runtime
+from bench import sync
 from configs import Config, UserError, exit_with_error, parse_config
 from data import build_loaders
 from lr_find import lr_find
@@ -97,19 +98,12 @@ def setup(cfg: Config, device: torch.device, lr: float):
     """Train batches, model, optimizer and AMP built as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
     batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_classes).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = build_model(cfg, info.channels, info.num_classes, device)
     optimizer = build_optimizer(model, cfg, lr)
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
     loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing)
     return model, optimizer, loss_fn, stream, amp_dtype, scaler
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def ours(cfg: Config, device: torch.device) -> dict:

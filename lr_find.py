@@ -692,11 +692,9 @@ def main(argv: list[str] | None = None) -> None:
         device = runtime.pick_device(cfg.device)
         torch.manual_seed(cfg.seed)
         batches, _, info = build_loaders(cfg, device)
-        model = build_model(cfg, info.channels, info.num_classes).to(device)
+        model = build_model(cfg, info.channels, info.num_classes, device)
     except UserError as err:
         exit_with_error(str(err))
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))

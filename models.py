@@ -76,7 +76,14 @@ def check_model_name(name: str) -> None:
                         "classification model such as resnet18)")
 
 
-def build_model(cfg: Config, channels: int, num_classes: int) -> nn.Module:
+def build_model(cfg: Config, channels: int, num_classes: int,
+                device: torch.device | str = "cpu") -> nn.Module:
+    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it."""
+    memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    return _architecture(cfg, channels, num_classes).to(device, memory_format=memory)
+
+
+def _architecture(cfg: Config, channels: int, num_classes: int) -> nn.Module:
     check_model_name(cfg.model)
     if cfg.model == "resnet_small":
         return ResNetSmall(channels, num_classes, cfg.width)

@@ -161,9 +161,7 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
 
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
-    model = build_model(cfg, info.channels, info.num_classes).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = build_model(cfg, info.channels, info.num_classes, device)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, len(train_batches))
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
