@@ -111,7 +111,8 @@ def _onecycle(
     _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
     _check(not three_phase or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
     product = float(pct_start * total_steps)
-    _check(product != 1, "pct_start * total_steps", "!= 1 (OneCycleLR divides by 0)", product)
+    expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
+    _check(product != 1, "pct_start * total_steps", expected, product)
     for key, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
         _check(_is_real(value) and value > 0, key, "a number > 0", value)
     strategy = anneal_strategy
@@ -131,6 +132,20 @@ def _onecycle(
         final_div_factor=float(final_div_factor),
         three_phase=bool(three_phase),
     )
+
+
+def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
+    """pct_start moved off the one value that breaks torch's OneCycleLR at this run length.
+
+    When pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on
+    the step it starts and OneCycleLR divides by zero. A nudge of one part in 1e9 gives the limit
+    of torch's own curve: that one step runs at the initial lr (max_lr / div_factor) and the
+    anneal starts at the next. Any other value comes back unchanged, so every run that torch
+    handles keeps torch's curve exactly. (three_phase nudges down, to stay within its 0.5 cap.)
+    """
+    if float(pct_start * total_steps) != 1:
+        return pct_start
+    return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
 
 
 def build_scheduler(

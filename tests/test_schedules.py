@@ -319,3 +319,25 @@ def test_cli_table(capsys, tmp_path):
     assert len(rows) == 12 and rows[0][0] == "0" and rows[-1][0] == "99"
     assert float(rows[-1][1]) == pytest.approx(0.1 / 25 / 1e4)
     assert png.is_file() or lines[-1].startswith("matplotlib is not installed")
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("T", range(1, 13))
+def test_safe_pct_start_lets_every_short_onecycle_run(T, three_phase):
+    for pct in sorted({0.25, 0.3, 0.5, *(k / T for k in range(1, T))}):
+        if three_phase and pct > 0.5:
+            continue
+        singular = float(pct * T) == 1
+        safe = schedules.safe_pct_start(pct, T, three_phase)
+        assert (safe != pct) == singular  # any other value keeps torch's curve exactly
+        _, opt = make_optimizer()
+        if singular:
+            with pytest.raises(ValueError, match="safe_pct_start"):
+                build_scheduler(opt, "onecycle", T, pct_start=pct, three_phase=three_phase)
+        seen = run(opt, build_scheduler(opt, "onecycle", T, pct_start=safe, three_phase=three_phase), T)
+        for g, base in enumerate(BASES):
+            lrs = [step[g] for step in seen]
+            assert all(0 < lr <= base * (1 + 1e-12) for lr in lrs), (pct, lrs)
+            if singular:  # the one warm step at the initial lr, then only down
+                assert lrs[0] == pytest.approx(base / 25)
+                assert lrs[1:] == sorted(lrs[1:], reverse=True)
