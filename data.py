@@ -208,6 +208,33 @@ def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+class UnreadableImage(UserError):
+    """An image file that cannot be decoded; the message names the file and its class folder.
+
+    A DataLoader worker's exception reaches the main process as its type called with the whole
+    worker traceback as text; keeping only the traceback's last line (ours) keeps one line.
+    """
+
+    def __init__(self, message: str):
+        if "Original Traceback" in message:
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
+
+
+def read_image(path: str):
+    """torchvision's PIL loader, failing with one line that says which file and class it was."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
+        reason = "not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else (
+            str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__)
+        raise UnreadableImage(f"cannot read image {path} (class folder {Path(path).parent.name!r}): "
+                              f"{reason}") from None
+
+
 def _image_folder(cfg: Config):
     from torchvision import datasets, transforms
 
@@ -219,7 +246,8 @@ def _image_folder(cfg: Config):
     tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
                              transforms.PILToTensor()])
     try:
-        train, val = (datasets.ImageFolder(str(root / s), transform=tf) for s in ("train", "val"))
+        train, val = (datasets.ImageFolder(str(root / s), transform=tf, loader=read_image)
+                      for s in ("train", "val"))
     except (FileNotFoundError, RuntimeError) as err:
         raise UserError(f"imagefolder: {str(err).splitlines()[0]}; {layout}") from None
     if train.classes != val.classes:
@@ -272,7 +300,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
             ds = torch.utils.data.TensorDataset
             sources = ((ds(x_train, y_train), None), (ds(x_val, y_val), None))
     common = dict(mean=mean, std=std, pad=PADDING.get(cfg.dataset, max(size // 8, 1)),
-                  flip=cfg.dataset in FLIPS, seed=cfg.seed, device=device, rank=rank,
+                  flip=cfg.flip and cfg.dataset in FLIPS, seed=cfg.seed, device=device, rank=rank,
                   world_size=world_size, channels_last=cfg.channels_last,
                   num_workers=cfg.num_workers)
     if not cfg.augment:

@@ -34,7 +34,8 @@ class Config:
     synthetic_size: int = 2048
     loader: str = "auto"  # device: tensors on the device, augmented in batches; dataloader: workers
     num_workers: int = 2
-    augment: bool = True
+    augment: bool = True  # random crop (and flip, below) on training batches; off turns both off
+    flip: bool = True  # left-right flips, only where they keep the label: cifar10, cifar100, imagefolder
     # model and optimizer
     model: str = "resnet_small"  # or resnet9, or any torchvision classification model name
     width: int = 32
@@ -183,9 +184,13 @@ def load_toml(path: str) -> dict:
             f"config file {path} not found (presets: {', '.join('configs/' + p for p in presets)})"
         )
     try:
-        values = tomllib.loads(file.read_text())
+        values = tomllib.loads(file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{path}: not valid TOML ({err})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not valid TOML (TOML files are UTF-8 text)") from None
+    except OSError as err:
+        raise UserError(f"config file {path} cannot be read ({err.strerror or err})") from None
     out = {}
     for key, raw in values.items():
         name = key.replace("-", "_")
@@ -200,6 +205,21 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+class _Switch(argparse.Action):
+    """A boolean as people type it: --x, --x true|false|yes|no|on|off|1|0, --x=false, --no-x."""
+
+    def __init__(self, option_strings, dest, default=None, help=None):
+        super().__init__(option_strings, dest, nargs="?", default=default, help=help,
+                         metavar="true|false")
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if option_string.startswith("--no-"):
+            if value is not None:
+                raise UserError(f"{option_string} takes no value; write --{option_string[5:]} {value}")
+            value = False
+        setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
+
+
 def _parser(description: str) -> _Parser:
     parser = _Parser(description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
@@ -208,8 +228,11 @@ def _parser(description: str) -> _Parser:
             parser.add_argument("--resume", nargs="?", const="auto", default=argparse.SUPPRESS,
                                 help="continue from <out_dir>/last.pt, or from the given path")
         elif isinstance(f.default, bool):
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"default {f.default}")
+            negated = "--no-" + _flag(f.name)[2:]
+            parser.add_argument(_flag(f.name), action=_Switch, default=argparse.SUPPRESS,
+                                help=f"or {negated}; default {f.default}")
+            parser.add_argument(negated, action=_Switch, dest=f.name, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
         else:
             choices = _CHOICES.get(f.name)
             parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
