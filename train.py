@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import torch
@@ -22,16 +22,20 @@ from tqdm import tqdm
 
 import runtime
 from configs import Config, UserError, exit_with_error, parse_or_exit
-from data import build_loaders
+from data import UnreadableImage, build_loaders
 from lr_find import capture_rng_state, restore_rng_state
 from models import build_model, build_optimizer
-from schedules import build_scheduler, epochs_to_steps, optimizer_step, steps_per_epoch
+from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 # Settings that may differ when resuming: they change how a run is watched, not what it computes.
 RESUME_MAY_CHANGE = {"out_dir", "resume", "device", "log_every", "save_every", "num_workers",
                      "loader", "data_dir", "compile", "allow_more_epochs", "find_start_lr",
                      "find_end_lr", "find_iters", "find_method"}
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "epoch", "batch", "step", "rng", "config")
+# A logged training loss above this multiple of the run's first batch loss is not coming back
+# (lr_find.py stops its sweep at the same factor over its best loss).
+DIVERGENCE_FACTOR = 4.0
 
 
 def resolve_lr(cfg: Config) -> float:
@@ -53,7 +57,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
     total = steps_per_epoch(batches, cfg.accum_steps) * cfg.epochs
     options = {}
     if cfg.schedule == "onecycle":
-        options = dict(pct_start=cfg.pct_start, div_factor=cfg.div_factor,
+        options = dict(pct_start=safe_pct_start(cfg.pct_start, total), div_factor=cfg.div_factor,
                        final_div_factor=cfg.final_div_factor)
     elif cfg.schedule == "step":
         every = cfg.step_size or max(cfg.epochs / 3, 1)
@@ -67,12 +71,16 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
                         f"{cfg.epochs} epochs; lower it")
     if cfg.schedule != "onecycle":
         options["warmup_steps"] = warmup
-    return build_scheduler(optimizer, cfg.schedule, total, **options), total
+    try:
+        return build_scheduler(optimizer, cfg.schedule, total, **options), total
+    except ValueError as err:  # schedules.py checks its inputs; here that is a config problem
+        raise UserError(f"schedule {cfg.schedule} over {total} optimizer steps: {err}") from None
 
 
 def check_resumable(saved: dict, cfg: Config) -> None:
     """Refuse a resume whose config would change what the saved state means."""
-    now = cfg.to_dict()
+    now, defaults = cfg.to_dict(), Config().to_dict()
+    saved = {**defaults, **saved}  # a setting added since the checkpoint was written ran as its default
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now
              if k not in RESUME_MAY_CHANGE and saved.get(k) != now[k]]
     if cfg.allow_more_epochs and cfg.schedule in LENGTH_FREE_SCHEDULES:
@@ -80,6 +88,43 @@ def check_resumable(saved: dict, cfg: Config) -> None:
     if diffs:
         raise UserError(f"cannot resume: the config differs from the checkpoint's ({'; '.join(diffs)})"
                         "; use the same settings, or a new --out-dir")
+
+
+def check_checkpoint(ckpt: dict, path: Path) -> None:
+    """Refuse, in one line, a file that is not a train.py checkpoint or holds nan/inf weights."""
+    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint")
+    if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):
+        raise UserError(f"checkpoint {path} is not a train.py checkpoint (model or config is not a dict)")
+    tensors = [t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]
+    if not runtime.all_finite(tensors):
+        raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
+                        "run with a lower --lr")
+
+
+def divergence(train_loss: float, start_loss: float) -> str | None:
+    """What says this logged training loss diverged, or None."""
+    if not math.isfinite(train_loss):
+        return f"train loss {train_loss}"
+    if start_loss > 0 and train_loss > DIVERGENCE_FACTOR * start_loss:
+        return f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start_loss:.4g}"
+    return None
+
+
+def checkpoint_bytes(model: torch.nn.Module, cfg: Config) -> int:
+    """About the size of last.pt: the weights plus the optimizer's copies (momentum; AdamW's two)."""
+    weights = sum(t.nbytes for t in model.state_dict().values())
+    return weights * (1 + (2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)))
+
+
+def problem_of(check, *args) -> str | None:
+    """A check's UserError as text (None if it passed), for rank 0 to decide and all ranks to follow."""
+    try:
+        check(*args)
+    except UserError as err:
+        return str(err)
+    return None
 
 
 def unfinished_run(path: Path) -> str | None:
@@ -145,7 +190,8 @@ def main() -> None:
     try:
         train(cfg)
     except UserError as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from one process
+        # Under torchrun, one line from one process; a file only one rank read, from that rank.
+        if os.environ.get("RANK", "0") == "0" or isinstance(err, UnreadableImage):
             exit_with_error(str(err))
         raise SystemExit(2) from None
     finally:
@@ -158,6 +204,9 @@ def train(cfg: Config) -> dict:
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
     lr = resolve_lr(cfg)
+    problem = runtime.from_rank0(problem_of(runtime.check_writable_dir, out_dir) if is_main else None)
+    if problem:  # found before any data is loaded or any step is trained
+        raise UserError(problem)
     torch.manual_seed(cfg.seed)
 
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
@@ -165,20 +214,34 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, len(train_batches))
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+    needed = checkpoint_bytes(model, cfg)
+    problem = runtime.from_rank0(
+        problem_of(runtime.check_free_space, out_dir, needed, "a checkpoint") if is_main else None)
+    if problem:
+        raise UserError(problem)
 
     start_epoch, start_batch, step, best_acc = 0, 0, 0, 0.0
+    start_loss = None  # the run's first batch loss, the yardstick for divergence
+    first_loss = None  # the same, kept on the device until the first log point reads it
     if cfg.resume:
         path = out_dir / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
         ckpt = runtime.load_checkpoint(path)
+        check_checkpoint(ckpt, path)
         check_resumable(ckpt["config"], cfg)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scheduler.load_state_dict(ckpt["scheduler"])
+            if scaler is not None and ckpt.get("scaler"):
+                scaler.load_state_dict(ckpt["scaler"])
+            restore_rng_state(ckpt["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            raise UserError(f"checkpoint {path} does not fit this model and optimizer ({first}); "
+                            "resume it with the settings it was written with, or start a new run") from None
         start_epoch, start_batch, step = ckpt["epoch"], ckpt["batch"], ckpt["step"]
         best_acc = ckpt.get("best_val_acc", 0.0)
-        restore_rng_state(ckpt["rng"])
+        start_loss = ckpt.get("start_loss") or math.inf  # older checkpoints: only nan/inf count
         say(f"resumed from {path} at epoch {start_epoch}, batch {start_batch}, step {step}")
     else:
         problem = runtime.from_rank0(unfinished_run(out_dir / "last.pt") if is_main else None)
@@ -191,24 +254,70 @@ def train(cfg: Config) -> dict:
         net = torch.nn.parallel.DistributedDataParallel(
             fast, device_ids=[device.index] if device.type == "cuda" else None)
 
+    # Where last.pt would continue from right now (after the last optimizer step), and what it holds.
+    done = saved_at = (start_epoch, start_batch)
+    saved_step = step if cfg.resume else None
+
     def checkpoint(epoch: int, batch: int, name: str = "last.pt") -> None:
+        nonlocal saved_at, saved_step, start_loss
+        if not runtime.all_finite(runtime.unwrap(model).state_dict().values()):
+            raise diverged("the weights hold nan or inf", optimizer.param_groups[0]["lr"])
+        if start_loss is None and first_loss is not None:  # saving syncs anyway
+            start_loss = first_loss.item()
         if is_main:
             runtime.save_checkpoint({
                 "model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "epoch": epoch, "batch": batch, "step": step, "total_steps": total_steps,
-                "best_val_acc": best_acc,
+                "best_val_acc": best_acc, "start_loss": start_loss,
                 "rng": capture_rng_state(), "config": cfg.to_dict(),
             }, out_dir / name)
+        if name == "last.pt":
+            saved_at, saved_step = (epoch, batch), step
+
+    def diverged(what: str, at_lr: float) -> UserError:
+        kept = (f"{out_dir / 'last.pt'} still holds step {saved_step}" if saved_step is not None
+                else "this run wrote no checkpoint")
+        return UserError(f"training diverged at step {step} ({what}; lr {at_lr:.3g}): try a lower "
+                         f"--lr than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the "
+                         f"same options to find one; {kept}")
+
+    @contextmanager
+    def saved_if_a_file_is_unreadable():
+        """An image that cannot be decoded stops the run as SIGTERM does: save last.pt, then say which."""
+        try:
+            yield
+        except UnreadableImage as err:
+            if done != saved_at:
+                checkpoint(*done)
+            then = ("nothing was trained yet; replace or delete it and run again" if saved_step is None
+                    else f"{out_dir / 'last.pt'} holds step {saved_step}; replace or delete it, then "
+                    "continue with `python train.py --resume` and the same options")
+            raise UnreadableImage(f"{err}; {then}") from None
+
+    def tensorboard():
+        return runtime.reporting_write_errors(out_dir, f"TensorBoard logs in {out_dir}")
+
+    @contextmanager
+    def writer_closed_on_error():
+        """Flush what TensorBoard has (the loss curve of a diverged run, say) however the run ends."""
+        try:
+            yield
+        except BaseException:
+            if writer:
+                with suppress(OSError):
+                    writer.close()
+            raise
 
     writer = None
     if is_main:
         from torch.utils.tensorboard import SummaryWriter
 
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "lr": lr}, indent=2))
-        writer = SummaryWriter(str(out_dir))
+        runtime.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
+        runtime.quiet_tensorboard_thread()
+        with tensorboard():
+            writer = SummaryWriter(str(out_dir))
     params = sum(p.numel() for p in model.parameters())
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, {info.channels}x"
         f"{info.image_size}x{info.image_size}, {info.num_classes} classes, via {info.loader}")
@@ -219,7 +328,7 @@ def train(cfg: Config) -> dict:
     batches = len(train_batches)
     val_loss = val_acc = float("nan")
     epoch_rates, started = [], time.perf_counter()
-    with StopFlag() as stop:
+    with StopFlag() as stop, writer_closed_on_error(), saved_if_a_file_is_unreadable():
         for epoch in range(start_epoch, cfg.epochs):
             net.train()
             bar = tqdm(total=batches, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
@@ -240,6 +349,8 @@ def train(cfg: Config) -> dict:
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 loss_sum += loss.detach()
                 loss_count += 1
+                if first_loss is None:
+                    first_loss = loss.detach()
                 images_this_epoch += len(targets) * world_size
                 if not steps_now:
                     continue
@@ -247,13 +358,21 @@ def train(cfg: Config) -> dict:
                 optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                done = (epoch, i + 1)
                 if step % cfg.log_every == 0 or i + 1 == batches:
-                    train_loss = (loss_sum / loss_count).item()
+                    if start_loss is None:  # read together with the first logged loss: one transfer
+                        train_loss, start_loss = torch.stack([loss_sum / loss_count, first_loss]).tolist()
+                    else:
+                        train_loss = (loss_sum / loss_count).item()
                     loss_sum.zero_()
                     loss_count = 0
                     if writer:
-                        writer.add_scalar("train/loss", train_loss, step)
-                        writer.add_scalar("train/lr", step_lr, step)
+                        with tensorboard():
+                            writer.add_scalar("train/loss", train_loss, step)
+                            writer.add_scalar("train/lr", step_lr, step)
+                    why = divergence(train_loss, start_loss)
+                    if runtime.any_rank(why is not None, device):
+                        raise diverged(why or "the loss diverged on another process", step_lr)
                     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{step_lr:.3g}", refresh=False)
                     bar.update(i + 1 - bar.n)
                     stopping = world_size > 1 and stop.agreed(device)
@@ -269,17 +388,25 @@ def train(cfg: Config) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - epoch_start
-            epoch_rates.append(images_this_epoch / max(seconds, 1e-9))
+            if images_this_epoch:  # a run resumed at an epoch's very end trained nothing here
+                epoch_rates.append(images_this_epoch / max(seconds, 1e-9))
             start_batch = 0
+            done = (epoch, batches)
             val_loss, val_acc = evaluate(fast, val_batches, device, amp_dtype)
             improved = val_acc > best_acc
             best_acc = max(best_acc, val_acc)
             if writer:
-                writer.add_scalar("val/loss", val_loss, step)
-                writer.add_scalar("val/acc", val_acc, step)
+                with tensorboard():
+                    writer.add_scalar("val/loss", val_loss, step)
+                    writer.add_scalar("val/acc", val_acc, step)
+            rate = f"  ({epoch_rates[-1]:,.0f} img/s)" if images_this_epoch else ""
             say(f"epoch {epoch + 1}/{cfg.epochs}  step {step}  val loss {val_loss:.4f}  "
-                f"val acc {val_acc:.2%}  ({epoch_rates[-1]:,.0f} img/s)")
+                f"val acc {val_acc:.2%}{rate}")
+            if not math.isfinite(val_loss):
+                raise diverged(f"val loss {val_loss} after epoch {epoch + 1}",
+                               optimizer.param_groups[0]["lr"])
             checkpoint(epoch + 1, 0)
+            done = (epoch + 1, 0)
             if improved:
                 checkpoint(epoch + 1, 0, "best.pt")
 
@@ -291,11 +418,13 @@ def train(cfg: Config) -> dict:
                "ranks_in_sync": runtime.ranks_agree(model)}
     if writer:
         hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
-        writer.add_hparams({**hparams, "lr": lr},
-                           {"hparam/val_acc": val_acc, "hparam/val_loss": val_loss},
-                           run_name="hparams")
-        writer.close()
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        with tensorboard():
+            writer.add_hparams({**hparams, "lr": lr},
+                               {"hparam/val_acc": val_acc, "hparam/val_loss": val_loss},
+                               run_name="hparams")
+            writer.flush()  # raises what the writer thread met; close() would drop it
+            writer.close()
+        runtime.write_json_atomic(out_dir / "summary.json", summary)
         say(f"done: val acc {val_acc:.2%} (best {best_acc:.2%}) in {summary['seconds']:.1f}s; "
             f"logs and checkpoints in {out_dir}")
     return summary
