@@ -269,7 +269,7 @@ def write_error(path: str | Path, err: OSError, size: int | None = None,
                 label: str | None = None) -> UserError:
     """One line for a failed write: the file, why, the size it needed and the space left there."""
     free = _free_bytes(Path(path))
-    facts = ([f"needs {_size(size)}"] if size is not None else []) + (
+    facts = ([f"needs about {_size(size)}"] if size is not None else []) + (
         [f"{_size(free)} free"] if free is not None else [])
     detail = f" ({', '.join(facts)})" if facts else ""
     fix = FIXES.get(err.errno, "fix its permissions")
