@@ -67,7 +67,11 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
                         f"{cfg.epochs} epochs; lower it")
     if cfg.schedule != "onecycle":
         options["warmup_steps"] = warmup
-    return build_scheduler(optimizer, cfg.schedule, total, **options), total
+    try:
+        return build_scheduler(optimizer, cfg.schedule, total, **options), total
+    except ValueError as err:  # e.g. onecycle with pct_start * total_steps == 1
+        raise UserError(f"the {cfg.schedule} schedule does not fit this run of {total} optimizer "
+                        f"steps: {err}; change its options or --epochs") from None
 
 
 def check_resumable(saved: dict, cfg: Config) -> None:

@@ -129,6 +129,8 @@ BAD_INPUTS = [
     ["--config", "configs/missing.toml"],
     ["--dataset", "imagefolder", "--data-dir", "/nonexistent/images"],
     ["--lr", "auto", "--out-dir", "/nonexistent/run"],
+    ["--dataset", "synthetic", "--synthetic-size", "48", "--batch-size", "24", "--image-size", "8",
+     "--epochs", "2", "--width", "4"],  # onecycle: pct_start 0.25 x 4 steps = 1 would divide by 0
 ]
 
 
