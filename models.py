@@ -31,22 +31,29 @@ class Residual(nn.Module):
         return x + self.body(x)
 
 
+def head_dropout(p: float) -> list[nn.Module]:
+    """Dropout before the classifier, only when asked for: without it the state_dict keys stay as
+    they were, so checkpoints from before the option still load."""
+    return [nn.Dropout(p)] if p > 0 else []
+
+
 class ResNetSmall(nn.Sequential):
     """Three stages (width, 2x, 4x), halving resolution between them; fine from 8 px up."""
 
-    def __init__(self, channels: int, num_classes: int, width: int = 32):
+    def __init__(self, channels: int, num_classes: int, width: int = 32, dropout: float = 0.0):
         super().__init__(
             conv_bn(channels, width), Residual(width),
             conv_bn(width, 2 * width, stride=2), Residual(2 * width),
             conv_bn(2 * width, 4 * width, stride=2), Residual(4 * width),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), *head_dropout(dropout),
+            nn.Linear(4 * width, num_classes),
         )
 
 
 class ResNet9(nn.Sequential):
     """The DAWNBench-style ResNet-9 for 32 px images: four stages, two residual, max-pooling."""
 
-    def __init__(self, channels: int, num_classes: int, width: int = 64):
+    def __init__(self, channels: int, num_classes: int, width: int = 64, dropout: float = 0.0):
         def stage(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(conv_bn(cin, cout), nn.MaxPool2d(2))
 
@@ -55,7 +62,8 @@ class ResNet9(nn.Sequential):
             stage(width, 2 * width), Residual(2 * width),
             stage(2 * width, 4 * width),
             stage(4 * width, 8 * width), Residual(8 * width),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * width, num_classes, bias=False),
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(), *head_dropout(dropout),
+            nn.Linear(8 * width, num_classes, bias=False),
         )
 
 
@@ -86,9 +94,12 @@ def build_model(cfg: Config, channels: int, num_classes: int,
 def _architecture(cfg: Config, channels: int, num_classes: int) -> nn.Module:
     check_model_name(cfg.model)
     if cfg.model == "resnet_small":
-        return ResNetSmall(channels, num_classes, cfg.width)
+        return ResNetSmall(channels, num_classes, cfg.width, cfg.dropout)
     if cfg.model == "resnet9":
-        return ResNet9(channels, num_classes, cfg.width)
+        return ResNet9(channels, num_classes, cfg.width, cfg.dropout)
+    if cfg.dropout:  # torchvision builders differ: some take `dropout`, some silently ignore it
+        raise UserError(f"--dropout applies to resnet_small and resnet9; {cfg.model} keeps "
+                        "torchvision's own dropout (set it in models.py)")
     import torchvision
 
     model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)

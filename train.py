@@ -74,7 +74,8 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
     try:
         return build_scheduler(optimizer, cfg.schedule, total, **options), total
     except ValueError as err:  # schedules.py checks its inputs; here that is a config problem
-        raise UserError(f"schedule {cfg.schedule} over {total} optimizer steps: {err}") from None
+        raise UserError(f"the {cfg.schedule} schedule does not fit this run of {total} optimizer "
+                        f"steps: {err}; change its options or --epochs") from None
 
 
 def check_resumable(saved: dict, cfg: Config) -> None:

@@ -39,6 +39,7 @@ class Config:
     # model and optimizer
     model: str = "resnet_small"  # or resnet9, or any torchvision classification model name
     width: int = 32
+    dropout: float = 0.0  # resnet_small/resnet9: dropout before the classifier; 0: none
     optimizer: str = "sgd"
     lr: float | str = 0.2  # a float, or "auto" to take the suggestion from lr_find.json
     momentum: float = 0.9
@@ -163,6 +164,8 @@ def validate(cfg: Config) -> Config:
     for name in _UNIT:
         if not 0 <= getattr(cfg, name) <= 1:
             raise UserError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if not 0 <= cfg.dropout < 1:
+        raise UserError(f"dropout must be in [0, 1), got {cfg.dropout}")
     if not 0 < cfg.pct_start < 1:
         raise UserError(f"pct_start must be in (0, 1), got {cfg.pct_start}")
     if cfg.gamma <= 0:

@@ -1,5 +1,8 @@
+import dataclasses
+
 import pytest
 
+from configs import _CHOICES as CHOICES
 from configs import Config, UserError, parse_config
 
 
@@ -19,13 +22,35 @@ def test_flags_override_toml_which_overrides_defaults(tmp_path):
         "runs/x", "cpu", 1, True, False)
 
 
+def other_value(name: str, default):
+    """A valid value for field `name` that is not its default, as a command-line string."""
+    if name in CHOICES:
+        return next(choice for choice in CHOICES[name] if choice != default)
+    if isinstance(default, int):
+        return str(default + 1)
+    if isinstance(default, float):
+        return str(default + 0.5)
+    return f"{default}-changed"
+
+
 def test_every_field_has_a_flag():
-    for name in Config.__dataclass_fields__:
-        if name in ("resume", "lr") or isinstance(getattr(Config(), name), bool):
-            continue
-        value = getattr(Config(), name)
-        cfg = parse_config([f"--{name.replace('_', '-')}", str(value)])
-        assert getattr(cfg, name) == value
+    """Each flag, set to a value other than the default, changes its own field and no other."""
+    needs = {"warmup_epochs": ["--schedule", "cosine"]}  # onecycle has no warmup_epochs
+    for field in dataclasses.fields(Config):
+        flag, default = "--" + field.name.replace("_", "-"), field.default
+        if isinstance(default, bool):
+            argv, value = [flag if not default else "--no-" + flag[2:]], not default
+        else:
+            text = "runs/a/last.pt" if field.name == "resume" else other_value(field.name, default)
+            argv = [flag, text]
+            value = text if isinstance(default, str) and field.name != "lr" else type(default)(text)
+        expected = dataclasses.replace(Config(), **{field.name: value})
+        if field.name in needs:
+            argv += needs[field.name]
+            expected.schedule = "cosine"
+        cfg = parse_config(argv)
+        assert getattr(cfg, field.name) == value != default, field.name
+        assert cfg == expected, field.name
 
 
 def test_lr_auto_and_resume_forms():

@@ -111,13 +111,20 @@ def test_augment_without_padding_or_flips_is_identity():
     assert torch.equal(out, images)
 
 
-@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
-def test_loaders_report_shapes(dataset):
-    cfg = parse_config(["--dataset", dataset, "--image-size", "12", "--channels", "2"])
+@pytest.mark.parametrize("argv, shape, sizes, classes", [
+    (["--dataset", "digits"], (1, 8, 8), (1437, 360), 10),  # sklearn's 8x8 digits, our 360 val split
+    (["--dataset", "synthetic", "--image-size", "12", "--channels", "2", "--num-classes", "7",
+      "--synthetic-size", "100"], (2, 12, 12), (100, 25), 7),
+], ids=["digits", "synthetic"])
+def test_loaders_report_shapes(argv, shape, sizes, classes):
+    """Expected from the arguments (or the dataset's known size), never from `info` itself."""
+    cfg = parse_config([*argv, "--batch-size", "16"])
     train, val, info = build_loaders(cfg, CPU)
     x, y = next(iter(train))
     assert x.dtype == torch.float32 and y.dtype == torch.long
-    assert x.shape[1:] == (info.channels, info.image_size, info.image_size)
-    assert info.num_classes == 10 and info.train_size == train.num_examples
-    if dataset == "digits":
-        assert (info.train_size, info.val_size, info.image_size) == (1437, 360, 8)
+    assert x.shape == (16, *shape) and y.shape == (16,)
+    assert (info.channels, info.image_size, info.image_size) == shape
+    assert (info.train_size, info.val_size) == (train.num_examples, val.num_examples) == sizes
+    assert info.num_classes == classes and int(y.max()) < classes
+    assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16)
+    assert sum(len(t) for _, t in val.epoch(0)) == sizes[1]

@@ -467,7 +467,8 @@ def test_a_schedule_value_error_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train, "build_scheduler", refuse)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--out-dir", tmp_path)
     assert code == 2
-    assert "schedule onecycle over 4 optimizer steps: gamma" in assert_one_line_failure(code, out, err)
+    line = assert_one_line_failure(code, out, err)
+    assert "onecycle schedule does not fit this run of 4 optimizer steps: gamma" in line
 
 
 # ---------------------------------------------------------------- the same, as a user runs them

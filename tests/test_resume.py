@@ -1,5 +1,6 @@
 """Checkpoints: exact resume after kill -9, atomic writes, safe loading; torchrun with gloo."""
 
+import contextlib
 import json
 import os
 import signal
@@ -41,27 +42,79 @@ def final_state(path: Path) -> dict:
     return {k: ckpt[k] for k in ("model", "optimizer", "scheduler", "epoch", "batch", "step")}
 
 
+def child_pids(pid: int) -> list[int]:
+    if not Path("/proc/self/stat").exists():  # macOS and the BSDs
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in found.split()]
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        if parent == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    children = child_pids(pid)
+    return children + [grandchild for child in children for grandchild in process_tree(child)]
+
+
 def kill_after_first_save(cmd: list[str], ckpt: Path, env=None) -> None:
+    """kill -9 the whole job once `ckpt` exists, as a crash of the machine would.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group
+    alone would leave the workers running: they would finish the run and rewrite `ckpt` while
+    the test resumes from it (a resumed run whose ranks read different checkpoints hangs or fails).
+    """
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 120
     while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGSTOP)  # no new workers, no more steps, while the tree is listed
+    tree = process_tree(proc.pid)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    deadline = time.monotonic() + 10
+    while any(map(running, tree)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(map(running, tree)), f"processes {tree} survived kill -9"
+
+
+def running(pid: int) -> bool:
+    """Whether a process that is not our child still runs (Linux; elsewhere assumed not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie runs no code; its new parent reaps it
+
+
+def resumed_at(stdout: str) -> int:
+    """The step a resumed run says it continued from."""
+    line = next(line for line in stdout.splitlines() if line.startswith("resumed from"))
+    return int(line.rsplit("step", 1)[1])
 
 
 def test_kill_9_mid_epoch_then_resume_is_bit_identical(tmp_path):
+    """With dropout, so the resumed run must also restore the global RNG to match."""
+    run = [*RUN, "--dropout", "0.25"]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    assert run_script("train.py", *RUN, "--out-dir", str(straight)).returncode == 0
-    kill_after_first_save([sys.executable, "train.py", *RUN, "--out-dir", str(broken),
+    assert run_script("train.py", *run, "--out-dir", str(straight)).returncode == 0
+    kill_after_first_save([sys.executable, "train.py", *run, "--out-dir", str(broken),
                            "--save-every", "5"], broken / "last.pt")
     saved = runtime.load_checkpoint(broken / "last.pt")
     assert 0 < saved["step"] < 48 and saved["batch"] % 16 != 0, "the kill did not land mid-epoch"
-    result = run_script("train.py", *RUN, "--out-dir", str(broken), "--save-every", "5", "--resume")
+    result = run_script("train.py", *run, "--out-dir", str(broken), "--save-every", "5", "--resume")
     assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stdout
+    assert resumed_at(result.stdout) == saved["step"]
     assert_same_state(final_state(straight / "last.pt"), final_state(broken / "last.pt"))
 
 
@@ -149,7 +202,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             "train.py"]
 DDP_RUN = ["--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8", "--width", "8",
            "--batch-size", "32", "--epochs", "2", "--device", "cpu", "--log-every", "2",
-           "--num-workers", "0"]
+           "--num-workers", "0", "--dropout", "0.25"]
 DDP_ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -172,9 +225,11 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
 
     kill_after_first_save([*TORCHRUN, *DDP_RUN, "--out-dir", str(broken), "--save-every", "3"],
                           broken / "last.pt", env=DDP_ENV)
-    assert runtime.load_checkpoint(broken / "last.pt")["step"] < summary["steps"]
+    saved_step = runtime.load_checkpoint(broken / "last.pt")["step"]
+    assert saved_step < summary["steps"]
     resumed = torchrun(*DDP_RUN, "--out-dir", str(broken), "--save-every", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed_at(resumed.stdout) == saved_step
     again = json.loads((broken / "summary.json").read_text())
     assert again["ranks_in_sync"] is True and again["steps"] == summary["steps"]
     assert_same_state(final_state(straight / "last.pt"), final_state(broken / "last.pt"))

@@ -1,5 +1,9 @@
 """Device and AMP choice, and unwrapping compiled or DDP models for clean checkpoint keys."""
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +27,36 @@ def test_unwrap_strips_compile_and_ddp_prefixes(tmp_path):
         assert runtime.ranks_agree(model)
     finally:
         dist.destroy_process_group()
+
+
+def ranks_agree_worker(rank: int, store: str, out_dir: str) -> None:
+    """One of two gloo processes: the verdicts of ranks_agree as rank 1 drifts by one ulp."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # the same model on both ranks
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        verdicts = [runtime.ranks_agree(model)]
+        for tensor in (model[0].weight, model[1].running_mean):  # a parameter, then a buffer
+            before = tensor.detach().clone()
+            if rank == 1:
+                with torch.no_grad():
+                    tensor.view(-1)[1] = torch.nextafter(tensor.view(-1)[1], torch.tensor(math.inf))
+            verdicts.append(runtime.ranks_agree(model))
+            with torch.no_grad():
+                tensor.copy_(before)
+        verdicts.append(runtime.ranks_agree(model))
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(verdicts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_notices_one_rank_one_ulp_off(tmp_path):
+    torch.multiprocessing.spawn(ranks_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)),
+                                nprocs=2, join=True)
+    for rank in (0, 1):
+        verdicts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert verdicts == [True, False, False, True], (rank, verdicts)
 
 
 def test_amp_choices_on_cpu():
