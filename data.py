@@ -72,9 +72,9 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
     One gather does both: each output pixel's flat index into its padded image, with flipped
     images reading their columns backwards. About 5x faster on CPU than 4-D fancy indexing.
+    Nothing here reads from the device (that would sync every batch), so the caller, who knows
+    whether there is a pad or any flipping, skips the call when there is neither.
     """
-    if not pad and not flips.any():
-        return images
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
     padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
@@ -136,7 +136,7 @@ class Batches:
         for i, (images, targets) in enumerate(raw, start):
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            if self.train:
+            if self.train and (pad or self.flip):
                 window = slice(i * bs, i * bs + len(images))
                 images = augment(images, offsets[window], flips[window], pad)
             yield self._normalize(images), targets
