@@ -7,14 +7,14 @@ runs them again on a GPU.
 """
 
 import os
-import time
+import subprocess
+import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import ROOT
 from torch import nn
 
 import data
@@ -269,47 +269,63 @@ def test_explicit_gpu_index_under_torchrun_is_refused(monkeypatch, script):
     assert "torchrun" in result.stderr
 
 
-def _note(root: str, line: str) -> None:
+RANK_SCRIPT = r'''
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torchvision
+
+import data
+from configs import parse_config
+
+root, rank = sys.argv[1], int(sys.argv[2])
+
+
+def note(line):
     with open(Path(root) / "log.txt", "a") as log:
         log.write(line + "\n")
 
 
 class FakeCIFAR10:
-    """torchvision's CIFAR10 as far as data.py uses it; its 'download' takes a moment and is noted."""
+    """torchvision's CIFAR10 as far as data.py uses it; its download takes a moment and is noted."""
 
-    def __init__(self, root: str, train: bool = True, download: bool = False):
-        rank, done = dist.get_rank(), Path(root) / "downloaded"
+    def __init__(self, root, train=True, download=False):
+        done = Path(root) / "downloaded"
         if not done.exists():
             if not download:
                 raise RuntimeError("Dataset not found or corrupted. You can use download=True to download it")
-            _note(root, f"download starts on rank {rank}")
+            note(f"download starts on rank {rank}")
             time.sleep(0.5)
             done.touch()
-            _note(root, f"download ends on rank {rank}")
-        _note(root, f"rank {rank} reads")
+            note(f"download ends on rank {rank}")
+        note(f"rank {rank} reads")
         g = torch.Generator().manual_seed(int(train))
         self.data = torch.randint(0, 256, (12, 32, 32, 3), generator=g, dtype=torch.uint8)
         self.targets = torch.randint(0, 10, (12,), generator=g).tolist()
 
 
-def _read_cifar_on_rank(rank: int, root: str) -> None:
-    import torchvision
-
-    torchvision.datasets.CIFAR10 = FakeCIFAR10
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
-    try:
-        dist.barrier()  # both ranks reach the dataset at the same moment
-        cfg = parse_config(["--dataset", "cifar10", "--data-dir", root])
-        images, labels, _, _ = data._torchvision_set(cfg)
-        assert images.shape == (12, 3, 32, 32) and len(labels) == 12
-    finally:
-        dist.destroy_process_group()
+torchvision.datasets.CIFAR10 = FakeCIFAR10
+dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+dist.barrier()  # both ranks reach the dataset at the same moment
+images, labels, _, _ = data._torchvision_set(parse_config(["--dataset", "cifar10", "--data-dir", root]))
+assert images.shape == (12, 3, 32, 32) and len(labels) == 12
+dist.destroy_process_group()
+'''
 
 
 def test_under_torchrun_rank_0_downloads_alone(tmp_path):
-    # fork: the children need nothing re-imported, which keeps this test to a second or two
-    torch.multiprocessing.start_processes(_read_cifar_on_rank, args=(str(tmp_path),), nprocs=2,
-                                          start_method="fork")
+    """Two gloo processes reach a missing dataset together; a fake CIFAR10 notes who downloads."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script), str(tmp_path), str(rank)], env=env,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0, err[-2000:]
     log = (tmp_path / "log.txt").read_text().splitlines()
     assert [line for line in log if "download" in line] == ["download starts on rank 0",
                                                              "download ends on rank 0"]
