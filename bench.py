@@ -3,8 +3,12 @@
 Four questions, one run: does train.py's loop cost anything over a bare loop of the same model
 and data (loop_vs_bare), how much faster is the device-resident loader than a per-sample
 torchvision DataLoader (loader_speedup), what does lr_find add per iteration (lr_find_overhead),
-and how many images per second do the default and CIFAR-10 setups train at. Ratios come from
-interleaved repeats (so drift hits both sides alike) and are reported as median and min/max.
+and how many images per second do the default and CIFAR-10 setups train at (the CIFAR-10 preset
+also under torch.compile, by default on CUDA only). Ratios come from interleaved repeats (so
+drift hits both sides alike) and are reported as median and min/max.
+
+The GPU self-check, a few minutes on one GPU:
+    python bench.py --device cuda && python -m pytest tests/test_cuda.py
 
 On a CPU that other busy processes share, multi-threaded ops stall (OpenMP threads spin-wait for a
 preempted sibling) and run many times slower, so on CPU the ratios use one thread by default; the
@@ -52,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch threads for the throughput figures (default: torch's own)")
     parser.add_argument("--ratio-threads", type=int, default=0,
                         help="torch threads for loop_vs_bare and lr_find_overhead (default: 1 on CPU)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the cifar10 model under torch.compile (default: on CUDA only)")
     args = parser.parse_args(argv)
     if min(args.repeats, args.batch_size, args.threads, args.ratio_threads) < 0:
         parser.error("--repeats, --batch-size, --threads and --ratio-threads must be >= 0")
@@ -255,10 +261,15 @@ def measure_loader(device: torch.device, count: int, batch_size: int, repeats: i
 
 
 def measure_cifar_model(device_name: str, device: torch.device, batch_size: int, warmup: int,
-                        steps: int) -> float:
-    """Images/s of full training steps of the cifar10 preset's model on synthetic 32 px data."""
+                        steps: int, compile: bool = False) -> float:
+    """Images/s of full training steps of the cifar10 preset's model on synthetic 32 px data.
+
+    With compile, the warm-up steps include the compilation, as train.py --compile's first epoch does.
+    """
     cfg = cifar_config(device_name, batch_size, batch_size * (warmup + steps))
     train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    if compile:
+        model = torch.compile(model)
     batches = list(train_batches.epoch(0))
     bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], cfg.label_smoothing)
     sync(device)
@@ -299,6 +310,9 @@ def table(result: dict) -> str:
             f"bare loop, batch {loop['batch_size']}, {result['threads']} threads"),
         f"{'images/s resnet9 cifar10 preset':<34}{result['images_per_second']['cifar10']:>12,.0f}"
         f"  batch {cifar['batch_size']}, {cifar['steps']} steps after {cifar['warmup']} warm-up",
+        *([f"{'  the same under torch.compile':<34}{cifar['compiled_images_per_second']:>12,.0f}"
+           f"  {cifar['compiled_images_per_second'] / cifar['images_per_second']:.2f}x"]
+          if "compiled_images_per_second" in cifar else []),
         f"{'peak memory MB':<34}{result['peak_memory_mb']:>12,.0f}  {result['peak_memory_kind']}",
         f"loop: digits, {loop['epochs']} epochs, epochs 2+ timed as train.py does; loader: "
         f"{loader['images']:,} random uint8 3x32x32, batch {loader['batch_size']}, both timed from the "
@@ -342,12 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch_size or (32 if quick and cpu else 512)
     warmup, steps = (1, 3) if cpu or quick else (5, 20)
     cifar = phase("cifar10_model", lambda: measure_cifar_model(args.device, device, batch, warmup, steps))
+    compiled = None
+    if device.type == "cuda" if args.compile is None else args.compile:
+        compiled = phase("cifar10_model_compiled", lambda: measure_cifar_model(
+            args.device, device, batch, warmup, steps, compile=True))
     memory, memory_kind = peak_memory(device)
+    images_per_second = {"default": default["median"], "cifar10": cifar}
+    cifar_details = {"images_per_second": cifar, "batch_size": batch, "warmup": warmup, "steps": steps}
+    if compiled is not None:
+        images_per_second["cifar10_compiled"] = cifar_details["compiled_images_per_second"] = compiled
     result = {
         "loop_vs_bare": loop["loop_vs_bare"]["median"],
         "loader_speedup": loader["loader_speedup"]["median"],
         "lr_find_overhead": loop["lr_find_overhead"]["median"],
-        "images_per_second": {"default": default["median"], "cifar10": cifar},
+        "images_per_second": images_per_second,
         "peak_memory_mb": memory, "peak_memory_kind": memory_kind,
         "loop_vs_bare_runs": loop["loop_vs_bare"]["runs"],
         "loader_speedup_runs": loader["loader_speedup"]["runs"],
@@ -359,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "details": {"loop": loop, "loader": loader, "default": default,
-                    "cifar10": {"images_per_second": cifar, "batch_size": batch, "warmup": warmup,
-                                "steps": steps}},
+                    "cifar10": cifar_details},
     }
     result["seconds"] = time.perf_counter() - started
     result["phase_seconds"] = phases

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from configs import Config, UserError
@@ -72,9 +73,9 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
     One gather does both: each output pixel's flat index into its padded image, with flipped
     images reading their columns backwards. About 5x faster on CPU than 4-D fancy indexing.
+    Nothing here reads from the device (that would sync every batch), so the caller, who knows
+    whether there is a pad or any flipping, skips the call when there is neither.
     """
-    if not pad and not flips.any():
-        return images
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
     padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
@@ -84,6 +85,19 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
     planes = torch.arange(c, device=images.device) * (padded_h * padded_w)
     index = planes[None, :, None, None] + rows[:, None, :, None] + cols[:, None, None, :]
     return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
+
+
+class _Indices(torch.utils.data.Sampler):
+    """The sampler of a DataLoader that lives across epochs: each epoch sets its own order."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 class Batches:
@@ -103,6 +117,7 @@ class Batches:
         self.batch_size, self.train, self.pad, self.flip = batch_size, train, pad, flip
         self.seed, self.device, self.rank, self.world_size = seed, device, rank, world_size
         self.channels_last, self.num_workers = channels_last, num_workers
+        self._loader = None
         self.scale = (1 / (255 * std)).view(1, -1, 1, 1).to(device)
         self.shift = (mean / std).view(1, -1, 1, 1).to(device)
 
@@ -136,17 +151,24 @@ class Batches:
         for i, (images, targets) in enumerate(raw, start):
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            if self.train:
+            if self.train and (pad or self.flip):
                 window = slice(i * bs, i * bs + len(images))
                 images = augment(images, offsets[window], flips[window], pad)
             yield self._normalize(images), targets
 
     def _from_workers(self, indices: list[int]):
-        loader = torch.utils.data.DataLoader(
-            self.source, batch_size=self.batch_size, sampler=indices,
-            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-            persistent_workers=False)
-        return iter(loader)
+        """One DataLoader for all epochs: its workers start once, not at every epoch and evaluation.
+
+        Its sampler's indices are swapped before each pass, so one pass at a time per Batches.
+        """
+        if self._loader is None:
+            self._sampler = _Indices()
+            self._loader = torch.utils.data.DataLoader(
+                self.source, batch_size=self.batch_size, sampler=self._sampler,
+                num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
+                persistent_workers=self.num_workers > 0)
+        self._sampler.indices = indices
+        return iter(self._loader)
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         memory = torch.channels_last if self.channels_last else torch.contiguous_format
@@ -188,10 +210,18 @@ def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
     class_name, _ = TORCHVISION_SETS[cfg.dataset]
     cls = getattr(torchvision.datasets, class_name)
     root = Path(cfg.data_dir)
+    # Under torchrun, rank 0 alone downloads while the others wait at a barrier: several
+    # processes writing the same archive at once would corrupt it.
+    distributed = dist.is_available() and dist.is_initialized()
+    downloader = not distributed or dist.get_rank() == 0
+    if not downloader:
+        dist.barrier()
     try:
         splits = [cls(str(root), train=t, download=False) for t in (True, False)]
     except RuntimeError:
         try:
+            if not downloader:
+                raise RuntimeError("rank 0 could not download it")
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 splits = [cls(str(root), train=t, download=True) for t in (True, False)]
         except Exception as err:
@@ -200,6 +230,9 @@ def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
                 f"({type(err).__name__}); run once with network access, or copy the "
                 f"torchvision {class_name} files there and pass --data-dir"
             ) from None
+    finally:
+        if downloader and distributed:
+            dist.barrier()
     out = []
     for ds in splits:
         images = torch.as_tensor(ds.data)

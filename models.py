@@ -12,6 +12,7 @@ import difflib
 import torch
 from torch import nn
 
+import runtime
 from configs import Config, UserError
 
 OWN_MODELS = ("resnet_small", "resnet9")
@@ -108,11 +109,12 @@ def _architecture(cfg: Config, channels: int, num_classes: int) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, lr: float,
+                    fused: bool | None = None) -> torch.optim.Optimizer:
     """SGD (momentum, nesterov) or AdamW; no weight decay on biases and norm layers' weights.
 
-    Two param groups: decayed (matrices, conv kernels) and not (anything 1-D). Fused kernels on
-    CUDA; torch's default (foreach where it helps) elsewhere.
+    Two param groups: decayed (matrices, conv kernels) and not (anything 1-D). `fused` None
+    decides by `fused_by_default`; True or False forces it (fused kernels exist on CPU too).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -120,8 +122,24 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opt
         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    fused = {"fused": True} if params and params[0].is_cuda else {}
+    if fused is None:
+        fused = bool(params) and fused_by_default(cfg, params[0].device)
+    options = {"fused": True} if fused else {}  # else torch's default (foreach where it helps)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **fused)
+        return torch.optim.AdamW(groups, lr=lr, **options)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
-                           nesterov=cfg.nesterov and cfg.momentum > 0, **fused)
+                           nesterov=cfg.nesterov and cfg.momentum > 0, **options)
+
+
+def fused_by_default(cfg: Config, device: torch.device) -> bool:
+    """Fused kernels on CUDA, except SGD with momentum where an fp16 GradScaler may skip steps.
+
+    A GradScaler skips a step whose gradients overflow, routinely the first ones at its initial
+    scale. Fused SGD creates its momentum buffers with empty_like for its first step's kernel to
+    fill, and the kernel returns early on that skip, so the next step reads uninitialised memory
+    (garbage weights); fused AdamW zero-initialises its state and undoes its step count.
+    """
+    if device.type != "cuda":
+        return False
+    sgd_momentum = cfg.optimizer == "sgd" and cfg.momentum > 0
+    return not (sgd_momentum and runtime.amp_dtype(device, cfg.amp) == torch.float16)

@@ -33,6 +33,10 @@ def pick_device(name: str = "auto") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda" and device.index is not None and world_size > 1:
+        raise UserError(f"--device {name} would put all {world_size} torchrun processes on one GPU; "
+                        "use --device cuda (each process takes its LOCAL_RANK's GPU)")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UserError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
@@ -46,19 +50,23 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def amp_setup(device: torch.device, mode: str) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
-    """Autocast dtype and GradScaler: bf16 where the device has it, else fp16 with a scaler.
+    """Autocast dtype and GradScaler: bf16 where the device has it, else fp16 with a scaler."""
+    dtype = amp_dtype(device, mode)
+    return dtype, torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+
+def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
+    """The autocast dtype `mode` means on `device`; None is off.
 
     "auto" is off on CPU and MPS, where autocast rarely pays; bf16 or fp16 can still be forced.
+    On CUDA it is bf16 only where the GPU computes in it natively (Ampere and later): V100 and
+    T4 emulate bf16 slowly, which torch counts as supported unless including_emulation=False.
     """
     if mode == "auto":
         if device.type != "cuda":
-            return None, None
-        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if mode == "off":
-        return None, None
-    if mode == "bf16":
-        return torch.bfloat16, None
-    return torch.float16, torch.amp.GradScaler(device.type)
+            return None
+        mode = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -10,6 +10,7 @@ import argparse
 import functools
 import math
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import NoReturn
 
@@ -195,6 +196,12 @@ def build_scheduler(
     return LambdaLR(optimizer, factor)
 
 
+# The scale each GradScaler had after optimizer_step's last update(), so a fused optimizer's skip
+# is told with one read per step. A scale changed by hand between calls (update(new_scale),
+# load_state_dict on the same scaler) is not seen here; a new GradScaler starts afresh.
+_scale_after_update: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler | None = None,
@@ -207,12 +214,14 @@ def optimizer_step(
 
     An fp16 GradScaler skips steps whose gradients hold inf/nan; advancing the schedule anyway
     would shift it and trigger torch's "lr_scheduler.step() before optimizer.step()" warning.
-    A skip shows as the scale shrinking in update() (torch enforces backoff_factor < 1; this also
-    covers fused optimizers that skip on-device). Reading the scale syncs with the device, but
-    scaler.step already waits there for its inf check, so it adds no stall; without a scaler
-    (bf16, fp32) nothing syncs. clip_grad (None or 0 = off) clips the global grad norm of
-    `parameters` (default: all of the optimizer's), unscaled first. Gradients are not zeroed:
-    call optimizer.zero_grad(set_to_none=True) yourself. Returns whether the optimizer stepped.
+    Telling a skip costs at most one read from the device per step: a plain optimizer is only
+    called by scaler.step when the gradients are finite (its own read, which a step hook sees
+    for free); a fused one is always called and skips on the device, so the scale is read once
+    after update() and compared with the value remembered from the previous call (a skip
+    shrinks it; torch enforces backoff_factor < 1). Without a scaler (bf16, fp32) nothing is
+    read. clip_grad (None or 0 = off) clips the global grad norm of `parameters` (default: all
+    of the optimizer's), unscaled first. Gradients are not zeroed: call
+    optimizer.zero_grad(set_to_none=True) yourself. Returns whether the optimizer stepped.
     """
     ok = clip_grad is None or (_is_real(clip_grad) and clip_grad >= 0)
     _check(ok, "clip_grad", "None or a number >= 0", clip_grad)
@@ -227,10 +236,24 @@ def optimizer_step(
         if clip_grad:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
+        called: list[bool] = []
+        hook = optimizer.register_step_post_hook(lambda *_: called.append(True))
+        try:
+            scaler.step(optimizer)
+        finally:
+            hook.remove()
+        # GradScaler's own test for an optimizer that takes found_inf and skips on the device
+        skips_on_device = scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False)
+        before = _scale_after_update.get(scaler) if skips_on_device else None
+        if skips_on_device and before is None:
+            before = scaler.get_scale()  # first call with this scaler: one extra read, once
         scaler.update()
-        stepped = scaler.get_scale() >= scale
+        if skips_on_device:
+            after = scaler.get_scale()
+            _scale_after_update[scaler] = after
+            stepped = after >= before
+        else:
+            stepped = bool(called)
     if stepped and scheduler is not None:
         scheduler.step()
     return stepped

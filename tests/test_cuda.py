@@ -1,24 +1,181 @@
-"""CUDA paths: bf16/fp16 autocast, fused optimizers, device-resident data. Skipped without a GPU."""
+"""The GPU self-check, skipped without a GPU.
+
+    python bench.py --device cuda && python -m pytest tests/test_cuda.py
+
+No GPU had run this code when these tests were written. Whatever a CPU can show runs in
+tests/test_gpu_contract.py and tests/test_sync.py, whose helpers take a device; here they run on
+CUDA, next to what only a GPU has: fused CUDA kernels, the sync debug mode, pinned memory,
+torch.compile with Triton. A few minutes on one GPU.
+"""
 
 import json
+import math
 
 import pytest
 import torch
+from test_gpu_contract import (
+    OPTIMIZERS,
+    check_channels_last_and_autocast,
+    check_checkpoint_round_trip,
+    check_dataloader_path,
+    check_fused_fp16_matches_unfused,
+)
+from test_sync import fused_step_reads_per_step, sweep_reads_per_step, train_reads_per_step
 
+import runtime
 import train
 from configs import parse_config
+from models import fused_by_default
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+CUDA = torch.device("cuda")
+SMALL = ["--device", "cuda", "--dataset", "synthetic", "--synthetic-size", "1024", "--image-size", "16",
+         "--batch-size", "128", "--epochs", "2", "--lr", "0.05"]  # 0.2 reaches 28% in 16 steps on CPU
 
-@pytest.mark.parametrize("amp", ["auto", "fp16"])
-def test_train_on_cuda(tmp_path, amp):
-    summary = train.train(parse_config([
-        "--device", "cuda", "--amp", amp, "--dataset", "synthetic", "--synthetic-size", "1024",
-        "--image-size", "16", "--epochs", "2", "--batch-size", "128", "--channels-last",
-        "--out-dir", str(tmp_path)]))
+
+def keep_built(monkeypatch, module, name: str) -> list:
+    """Wrap module.name (a builder) so the test sees what it built."""
+    built, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(module, name, wrapper)
+    return built
+
+
+def native_bf16() -> bool:
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+# ---------------------------------------------------------------- AMP and fused optimizers
+
+@pytest.mark.parametrize(("amp", "optimizer"), [("auto", "sgd"), ("fp16", "sgd"), ("fp16", "adamw")])
+def test_train_on_cuda(tmp_path, monkeypatch, amp, optimizer):
+    optimizers = keep_built(monkeypatch, train, "build_optimizer")
+    cfg = parse_config([*SMALL, *OPTIMIZERS[optimizer], "--amp", amp, "--channels-last",
+                        "--out-dir", str(tmp_path)])
+    summary = train.train(cfg)
     assert summary["device"].startswith("cuda") and summary["val_acc"] > 0.5
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 16
+    fused = bool(optimizers[0].defaults.get("fused"))
+    assert fused == fused_by_default(cfg, CUDA)
+    if optimizer == "adamw" or (amp == "auto" and native_bf16()):
+        assert fused  # bf16 needs no GradScaler, so even SGD with momentum is fused
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_kernels_survive_skipped_fp16_steps(name):
+    """Inf gradients in the first two steps, CUDA kernels, against an unfused reference."""
+    fused = check_fused_fp16_matches_unfused(name, CUDA, decide_on=CUDA)
+    assert fused == (name != "sgd")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fp16_loop_skips_overflowing_steps_without_moving_the_schedule(tmp_path, monkeypatch, optimizer):
+    """train.train with an initial scale so high that the first steps overflow and are skipped."""
+    models = keep_built(monkeypatch, train, "build_model")
+    schedulers = keep_built(monkeypatch, train, "make_scheduler")
+    scalers, real_amp = [], runtime.amp_setup
+
+    def high_scale(device, mode):
+        dtype, _ = real_amp(device, mode)
+        scalers.append(torch.amp.GradScaler(device.type, init_scale=2.0**24))
+        return dtype, scalers[-1]
+
+    monkeypatch.setattr(runtime, "amp_setup", high_scale)
+    summary = train.train(parse_config([*SMALL, *OPTIMIZERS[optimizer], "--amp", "fp16",
+                                        "--out-dir", str(tmp_path)]))
+    skipped = round(math.log2(2.0**24 / scalers[0].get_scale()))  # no growth within 2000 steps
+    assert 1 <= skipped < summary["steps"] == 16
+    assert schedulers[0][0].last_epoch == summary["steps"] - skipped
+    assert all(torch.isfinite(p).all() for p in models[0].parameters())
+    assert math.isfinite(summary["val_loss"])
+
+
+# ---------------------------------------------------------------- no syncs in the hot loop
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_no_sync_between_log_points(tmp_path, monkeypatch, amp):
+    """Optimizer steps 3 to 8 of train.train run under sync debug mode "error": a sync raises.
+
+    digits: its padding sends every batch through the batched crop on the device. Log point at
+    step 8; the mode is switched off inside step 8's optimizer step, before that log read.
+    """
+    last = 8
+    real_build = train.build_optimizer
+
+    def build_and_watch(*args, **kwargs):
+        optimizer = real_build(*args, **kwargs)
+        count = [0]
+
+        def after_step(*_):
+            count[0] += 1
+            if count[0] == 2:
+                torch.cuda.set_sync_debug_mode("error")
+            elif count[0] == last:
+                torch.cuda.set_sync_debug_mode("default")
+
+        optimizer.register_step_post_hook(after_step)
+        return optimizer
+
+    monkeypatch.setattr(train, "build_optimizer", build_and_watch)
+    try:
+        summary = train.train(parse_config([
+            "--device", "cuda", "--dataset", "digits", "--batch-size", "128", "--epochs", "1",
+            "--amp", amp, "--log-every", str(last), "--out-dir", str(tmp_path)]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert summary["steps"] == 1437 // 128 > last
+
+
+@pytest.mark.parametrize("flags", [[], ["--amp", "bf16"], ["--loader", "dataloader"]],
+                         ids=["fp32", "bf16", "dataloader"])
+def test_host_reads_per_step_on_cuda(tmp_path, flags):
+    reads = train_reads_per_step(tmp_path, flags, device="cuda")
+    print(f"cuda train.py {' '.join(flags) or 'fp32'}: {reads:.3f} host reads per step")
+    assert reads <= 0.05
+
+
+def test_fp16_host_reads_per_step_on_cuda(tmp_path):
+    reads = train_reads_per_step(tmp_path, ["--amp", "fp16"], device="cuda")
+    fused = fused_step_reads_per_step("cuda")
+    print(f"cuda fp16: train.py (SGD) {reads:.3f}, optimizer_step with fused AdamW {fused:.3f} per step")
+    assert reads <= 1.05 and fused <= 1.05
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_lr_find_sweep_reads_on_cuda():
+    """The loss comes from pinned memory one step late; GradScaler adds its read only for SGD."""
+    assert sweep_reads_per_step(None, False, "cuda") <= 1.05
+    assert sweep_reads_per_step(torch.float16, False, "cuda") <= 2.05
+    assert sweep_reads_per_step(torch.float16, True, "cuda") <= 1.05
+
+
+# ---------------------------------------------------------------- the other CUDA paths
+
+def test_compile(tmp_path):
+    summary = train.train(parse_config([*SMALL, "--compile", "--out-dir", str(tmp_path)]))
+    assert summary["val_acc"] > 0.5
+    saved = runtime.load_checkpoint(tmp_path / "last.pt")["model"]
+    assert not any(key.startswith("_orig_mod.") for key in saved)
+
+
+@pytest.mark.parametrize(("amp", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_channels_last_and_autocast_dtype(tmp_path, monkeypatch, amp, dtype):
+    check_channels_last_and_autocast(tmp_path, monkeypatch, "cuda", amp, dtype)
+
+
+def test_dataloader_path_pins_memory(monkeypatch):
+    check_dataloader_path(monkeypatch, "cuda")
+
+
+def test_resume_keeps_fused_optimizer_and_scaler_state(tmp_path, monkeypatch):
+    defaults = check_checkpoint_round_trip(tmp_path, monkeypatch, "cuda",
+                                           ["--amp", "fp16", *OPTIMIZERS["adamw"]])
+    assert defaults["fused"]
 
 
 def test_lr_find_restores_on_cuda(tmp_path):
@@ -34,3 +191,15 @@ def test_lr_find_restores_on_cuda(tmp_path):
             autocast_dtype=torch.bfloat16)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bench_reports_cifar10_images_per_second_with_and_without_compile(tmp_path, script):
+    out = tmp_path / "bench.json"
+    result = script("bench.py", "--quick", "--device", "cuda", "--json", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rates = report["images_per_second"]
+    assert report["device"].startswith("cuda")
+    assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("cifar10", "cifar10_compiled")), rates
+    print(f"bench --quick on {torch.cuda.get_device_name()}: cifar10 {rates['cifar10']:,.0f} img/s, "
+          f"compiled {rates['cifar10_compiled']:,.0f} img/s")
