@@ -1,7 +1,9 @@
 """Every setting in one dataclass; presets in TOML; any field overridable as --field-name.
 
-Precedence: dataclass defaults < --config FILE.toml < command-line flags. Bad input becomes a
-UserError with one line saying what is wrong and how to fix it; the scripts print it and exit 2.
+Each field carries its default, help, allowed values or range, and the rules about it (see
+`setting`). Precedence: dataclass defaults < --config FILE.toml < command-line flags; a resume puts
+the checkpoint's config in place of the first two. Bad input becomes a UserError with one line
+saying what is wrong and how to fix it; the scripts print it and exit 2.
 """
 
 from __future__ import annotations
@@ -9,72 +11,131 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
+import shlex
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
 
-SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")
+SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")  # = schedules.SCHEDULES (a test checks)
 DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("steepest", "min/10", "valley")
+FIND_METHODS = ("steepest", "min/10", "valley")  # = lr_find.METHODS (a test checks)
+LR_WORDS = ("auto", "find")  # what --lr takes besides a number
+LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
+
+# The ranges a number may be declared to lie in, and how each is checked.
+LIMITS = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in (0, 1)": lambda v: 0 < v < 1,
+}
+
+
+def setting(default, help: str, *, choices: tuple[str, ...] | None = None, limits: str | None = None,
+            may_change: bool = False, moves_lr: bool = False):
+    """One Config field with everything about it: default, help, allowed values or range, and two
+    rules. may_change: it only changes how a run is run or watched, so a resume may change it.
+    moves_lr: the best learning rate depends on it, so --lr auto checks it against lr_find.json."""
+    assert limits is None or limits in LIMITS, limits
+    return field(default=default, metadata=dict(help=help, choices=choices, limits=limits,
+                                                may_change=may_change, moves_lr=moves_lr))
 
 
 @dataclass
 class Config:
     # data
-    dataset: str = "digits"
-    data_dir: str = "data"
-    image_size: int = 0  # 0: the dataset's own size (synthetic: 16, imagefolder: 32)
-    num_classes: int = 10  # synthetic only; the other datasets know their classes
-    channels: int = 3  # synthetic only
-    synthetic_size: int = 2048
-    loader: str = "auto"  # device: tensors on the device, augmented in batches; dataloader: workers
-    num_workers: int = 2
-    augment: bool = True  # random crop (and flip, below) on training batches; off turns both off
-    flip: bool = True  # left-right flips, only where they keep the label: cifar10, cifar100, imagefolder
+    dataset: str = setting("digits", "digits works offline; mnist, fashion_mnist, cifar10 and cifar100 are "
+                           "downloaded into --data-dir; imagefolder reads --data-dir/{train,val}/<class>/",
+                           choices=DATASETS, moves_lr=True)
+    data_dir: str = setting("data", "where datasets are downloaded, or imagefolder's root", may_change=True)
+    image_size: int = setting(0, "image side in pixels for synthetic and imagefolder; 0: the dataset's "
+                              "own (synthetic 16, imagefolder 32)", limits=">= 0", moves_lr=True)
+    num_classes: int = setting(10, "synthetic only; the other datasets know their classes", limits="> 0")
+    channels: int = setting(3, "synthetic: channels generated; imagefolder: 1 loads grayscale, 3 RGB; "
+                            "the other datasets have their own", limits="> 0")
+    synthetic_size: int = setting(2048, "synthetic: training images (validation gets a quarter)",
+                                  limits="> 0")
+    loader: str = setting("auto", "device: uint8 tensors on the device, augmented in batches; dataloader: "
+                          "worker processes; auto: device when the data fits (imagefolder: dataloader)",
+                          choices=LOADERS, may_change=True)
+    num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
+                               limits=">= 0", may_change=True)
+    augment: bool = setting(True, "random crop (and flip, below) on training batches; off turns both off")
+    flip: bool = setting(True, "left-right flips, only where they keep the label: cifar10, cifar100, "
+                         "imagefolder")
     # model and optimizer
-    model: str = "resnet_small"  # or resnet9, or any torchvision classification model name
-    width: int = 32
-    dropout: float = 0.0  # resnet_small/resnet9: dropout before the classifier; 0: none
-    optimizer: str = "sgd"
-    lr: float | str = 0.2  # a float, or "auto" to take the suggestion from lr_find.json
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-4
-    label_smoothing: float = 0.0
-    clip_grad: float = 0.0  # max gradient norm; 0 turns clipping off
+    model: str = setting("resnet_small", "resnet_small, resnet9, or any torchvision classification "
+                         "model name", moves_lr=True)
+    width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0",
+                         moves_lr=True)
+    dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the classifier; 0: none",
+                             limits="in [0, 1)")
+    optimizer: str = setting("sgd", "sgd (with --momentum, --nesterov) or adamw", choices=OPTIMIZERS,
+                             moves_lr=True)
+    lr: float | str = setting(0.2, "a number (onecycle: the peak); auto: the suggestion lr_find.py saved "
+                              "in --out-dir, refused if measured on another setup; find: run the range "
+                              "test first, in this process, then train with its suggestion")
+    momentum: float = setting(0.9, "sgd only; 0: plain sgd", limits=">= 0", moves_lr=True)
+    nesterov: bool = setting(True, "sgd only, when --momentum > 0", moves_lr=True)
+    weight_decay: float = setting(5e-4, "on weights only: biases and normalization weights get none",
+                                  limits=">= 0", moves_lr=True)
+    label_smoothing: float = setting(0.0, "0: plain cross-entropy", limits="in [0, 1]")
+    clip_grad: float = setting(0.0, "max gradient norm; 0 turns clipping off", limits=">= 0")
     # schedule (counts in epochs here, converted to optimizer steps by schedules.py)
-    schedule: str = "onecycle"
-    epochs: int = 10
-    batch_size: int = 128  # global: split across processes under torchrun
-    accum_steps: int = 1
-    warmup_epochs: float = 0.0
-    step_size: float = 0.0  # step schedule: epochs between decays; 0 means a third of the run
-    gamma: float = 0.1
-    min_lr_ratio: float = 0.0
-    pct_start: float = 0.25
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-    # lr_find.py
-    find_start_lr: float = 1e-7
-    find_end_lr: float = 10.0
-    find_iters: int = 50
-    find_method: str = "steepest"
+    schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step",
+                            choices=SCHEDULES)
+    epochs: int = setting(10, "passes over the training set", limits="> 0")
+    batch_size: int = setting(128, "global: split across processes under torchrun", limits="> 0",
+                              moves_lr=True)
+    accum_steps: int = setting(1, "batches per optimizer step (gradient accumulation)", limits="> 0",
+                               moves_lr=True)
+    warmup_epochs: float = setting(0.0, "linear warmup before constant, step and cosine, and the length "
+                                   "of the warmup schedule (required there); 0: none; onecycle warms up "
+                                   "by --pct-start", limits=">= 0")
+    step_size: float = setting(0.0, "step schedule: epochs between decays; 0: a third of the run",
+                               limits=">= 0")
+    gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0")
+    min_lr_ratio: float = setting(0.0, "cosine: the final lr as a fraction of --lr; 0: decays to 0",
+                                  limits="in [0, 1]")
+    pct_start: float = setting(0.25, "onecycle: the share of the run spent rising to --lr",
+                               limits="in (0, 1)")
+    div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0")
+    final_div_factor: float = setting(1e4, "onecycle: ends at lr / div_factor / final_div_factor",
+                                      limits="> 0")
+    # lr_find.py (and --lr find)
+    find_start_lr: float = setting(1e-7, "range test: the first lr", limits="> 0", may_change=True)
+    find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
+                                 limits="> 0", may_change=True)
+    find_iters: int = setting(50, "range test: optimizer steps", limits="> 0", may_change=True)
+    find_method: str = setting("steepest", "range test: how the suggestion is read off the curve",
+                               choices=FIND_METHODS, may_change=True)
     # runtime
-    device: str = "auto"  # auto picks cuda > mps > cpu
-    amp: str = "auto"  # auto: bf16 where supported, else fp16 + GradScaler; off on CPU
-    channels_last: bool = False
-    compile: bool = False
-    seed: int = 0
-    out_dir: str = "runs/default"
-    log_every: int = 20  # optimizer steps between reads of the loss from the device
-    save_every: int = 0  # optimizer steps between checkpoints (0: at epoch ends only)
-    resume: str = ""  # "" off; "auto" (plain --resume): <out_dir>/last.pt; or a path
-    allow_more_epochs: bool = False  # resume with a larger --epochs (changes the schedule's length)
+    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps", may_change=True)
+    amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
+                       "GradScaler, off on CPU and MPS", choices=AMP_MODES, moves_lr=True)
+    channels_last: bool = setting(False, "channels_last memory format (faster convolutions on GPUs)")
+    compile: bool = setting(False, "torch.compile the model", may_change=True)
+    seed: int = setting(0, "for weights, data order and augmentation", limits=">= 0")
+    out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json",
+                           may_change=True)
+    log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
+                             "is logged every step)", limits="> 0", may_change=True)
+    save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
+                              limits=">= 0", may_change=True)
+    resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH,"
+                          " with the checkpoint's settings; flags given too override them where a "
+                          "resume may change them (--out-dir, --log-every, ...) and are refused elsewhere",
+                          may_change=True)
+    allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
+                                      "schedules only: the others are shaped by the run's length)",
+                                      may_change=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,20 +146,6 @@ class UserError(ValueError):
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
-_CHOICES = {
-    "schedule": SCHEDULES,
-    "dataset": DATASETS,
-    "optimizer": OPTIMIZERS,
-    "amp": AMP_MODES,
-    "loader": LOADERS,
-    "find_method": FIND_METHODS,
-}
-_POSITIVE = ("epochs", "batch_size", "accum_steps", "log_every", "find_iters", "width",
-             "synthetic_size", "num_classes", "channels", "div_factor", "final_div_factor",
-             "find_start_lr", "find_end_lr")
-_NON_NEGATIVE = ("num_workers", "image_size", "weight_decay", "clip_grad", "warmup_epochs",
-                 "step_size", "momentum", "save_every", "seed")
-_UNIT = ("label_smoothing", "min_lr_ratio")
 
 
 def _suggest(word: str, options) -> str:
@@ -118,8 +165,8 @@ def _convert(name: str, raw):
     """Turn a TOML value or a command-line string into the field's type."""
     default = _FIELDS[name].default
     if name == "lr":
-        if isinstance(raw, str) and raw.strip().lower() == "auto":
-            return "auto"
+        if isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
+            return raw.strip().lower()
         kind = float
     else:
         kind = type(default)
@@ -141,41 +188,31 @@ def _convert(name: str, raw):
             return int(raw)
         return kind(raw)
     except (TypeError, ValueError):
-        hint = " or 'auto'" if name == "lr" else ""
+        hint = ", 'auto' or 'find'" if name == "lr" else ""
         raise UserError(f"{name} expects {_article(kind)}{hint}, got {raw!r}") from None
 
 
 def validate(cfg: Config) -> Config:
-    """Check ranges and names; raise UserError naming the key and the allowed values."""
-    for name, choices in _CHOICES.items():
-        value = getattr(cfg, name)
-        if value not in choices:
+    """Check each field against its declared choices or range, then the rules between fields."""
+    for f in fields(Config):
+        value, choices, limits = getattr(cfg, f.name), f.metadata["choices"], f.metadata["limits"]
+        if choices and value not in choices:
             raise UserError(
-                f"unknown {name} {value!r}{_suggest(value, choices)} (choose from {', '.join(choices)})"
+                f"unknown {f.name} {value!r}{_suggest(value, choices)} (choose from {', '.join(choices)})"
             )
-    if cfg.lr != "auto" and not cfg.lr > 0:
-        raise UserError(f"lr must be > 0 (or 'auto'), got {cfg.lr}")
-    for name in _POSITIVE:
-        if not getattr(cfg, name) > 0:
-            raise UserError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    for name in _NON_NEGATIVE:
-        if getattr(cfg, name) < 0:
-            raise UserError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in _UNIT:
-        if not 0 <= getattr(cfg, name) <= 1:
-            raise UserError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
-    if not 0 <= cfg.dropout < 1:
-        raise UserError(f"dropout must be in [0, 1), got {cfg.dropout}")
-    if not 0 < cfg.pct_start < 1:
-        raise UserError(f"pct_start must be in (0, 1), got {cfg.pct_start}")
-    if cfg.gamma <= 0:
-        raise UserError(f"gamma must be > 0, got {cfg.gamma}")
+        if limits and not LIMITS[limits](value):
+            raise UserError(f"{f.name} must be {limits}, got {value}")
+    if cfg.lr not in LR_WORDS and not cfg.lr > 0:
+        raise UserError(f"lr must be > 0 (or auto, or find), got {cfg.lr}")
     if cfg.find_start_lr >= cfg.find_end_lr:
         raise UserError(
             f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})"
         )
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:
         raise UserError("warmup_epochs does not apply to onecycle; its warm phase is pct_start")
+    if cfg.schedule == "warmup" and not cfg.warmup_epochs:
+        raise UserError("the warmup schedule needs --warmup-epochs > 0 (e.g. --warmup-epochs 1); "
+                        "for a constant rate without warmup use --schedule constant")
     return cfg
 
 
@@ -223,29 +260,34 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
 
 
+def _help(f) -> str:
+    rule = ", ".join(f.metadata["choices"] or ()) or f.metadata["limits"]
+    text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
+    return text.replace("%", "%%")
+
+
 def _parser(description: str) -> _Parser:
     parser = _Parser(description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
     for f in fields(Config):
         if f.name == "resume":
             parser.add_argument("--resume", nargs="?", const="auto", default=argparse.SUPPRESS,
-                                help="continue from <out_dir>/last.pt, or from the given path")
+                                metavar="PATH", help=f.metadata["help"])
         elif isinstance(f.default, bool):
             negated = "--no-" + _flag(f.name)[2:]
             parser.add_argument(_flag(f.name), action=_Switch, default=argparse.SUPPRESS,
-                                help=f"or {negated}; default {f.default}")
+                                help=f"{f.metadata['help']} (or {negated}; default {f.default})")
             parser.add_argument(negated, action=_Switch, dest=f.name, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)
         else:
-            choices = _CHOICES.get(f.name)
             parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=(f"{'|'.join(choices)}; " if choices else "")
-                                + f"default {f.default}")
+                                help=_help(f))
     return parser
 
 
-def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
-    """Build the Config from defaults, an optional --config TOML and command-line flags."""
+def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
+    """The settings the command line gives (flags, and the keys of its --config file), each of its
+    field's type; not yet checked together, since a resume fills in the rest from its checkpoint."""
     args, unknown = _parser(description).parse_known_args(argv)
     if unknown:
         bad = unknown[0]
@@ -259,7 +301,104 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> Config
     given.pop("config", None)
     for name, raw in given.items():
         values[name] = raw if isinstance(raw, bool) or name == "resume" else _convert(name, raw)
+    return values
+
+
+def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
+    """Build the Config from defaults, an optional --config TOML and command-line flags."""
+    return validate(Config(**parse_given(argv, description)))
+
+
+def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
+    """The config a resume runs with: the checkpoint's, with the settings given now on top.
+
+    --lr auto or find given again means the rate the run already used (a number in the checkpoint).
+    --allow-more-epochs is a permission for this command only, so it is never taken from the
+    checkpoint. Without --out-dir, `--resume PATH` continues in PATH's folder.
+    """
+    given = dict(given)
+    if given.get("lr") in LR_WORDS:
+        del given["lr"]
+    if "out_dir" not in given and given.get("resume", "auto") != "auto":
+        given["out_dir"] = str(Path(checkpoint).parent)
+    values = {**Config().to_dict(), **{k: v for k, v in saved.items() if k in _FIELDS},
+              "allow_more_epochs": False, **given}
     return validate(Config(**values))
+
+
+def check_resumable(saved: dict, cfg: Config) -> None:
+    """Refuse a resume whose config would change what the saved state means."""
+    saved = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default
+    diffs = [f"{f.name}: {saved.get(f.name)!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
+             if not f.metadata["may_change"] and saved.get(f.name) != getattr(cfg, f.name)]
+    if cfg.allow_more_epochs and cfg.schedule in LENGTH_FREE_SCHEDULES:
+        diffs = [d for d in diffs if not (d.startswith("epochs:") and cfg.epochs > saved["epochs"])]
+    longer = any(d.startswith("epochs:") for d in diffs) and cfg.schedule in LENGTH_FREE_SCHEDULES
+    if diffs:
+        raise UserError(f"cannot resume: the config differs from the checkpoint's ({'; '.join(diffs)})"
+                        f"; {'add --allow-more-epochs to train longer, or ' if longer else ''}resume "
+                        "without those flags, or start a new run with a new --out-dir")
+
+
+def lr_setup_differences(measured: dict, cfg: Config) -> list[str]:
+    """The settings that move the best learning rate and differ between a sweep's config and cfg.
+
+    Momentum and nesterov count only when both use sgd (adamw ignores them).
+    """
+    measured = {**Config().to_dict(), **measured}
+    sgd = measured["optimizer"] == cfg.optimizer == "sgd"
+    return [f"{f.name}: {measured[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
+            if f.metadata["moves_lr"] and measured[f.name] != getattr(cfg, f.name)
+            and (sgd or f.name not in ("momentum", "nesterov"))]
+
+
+def resolve_lr(cfg: Config) -> float | None:
+    """--lr auto takes the suggestion lr_find.py saved in out_dir, if it was measured on this setup.
+    None for --lr find, which sweeps once the model is built."""
+    if cfg.lr == "find":
+        return None
+    if cfg.lr != "auto":
+        return float(cfg.lr)
+    path = Path(cfg.out_dir) / "lr_find.json"
+    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
+    others = "or use --lr find, or pass a number such as --lr 0.1"
+    if not path.is_file():
+        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
+    try:
+        record = json.loads(path.read_text())
+        measured_on = dict(record["config"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
+                        f"{others}") from None
+    differences = lr_setup_differences(measured_on, cfg)
+    suggestion = record.get("suggestion")
+    per_schedule = record.get("suggestions")
+    if isinstance(per_schedule, dict):  # one per schedule family: take the one serving this schedule
+        serving = [s["lr"] for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
+        suggestion = serving[0] if serving else None
+        if not serving:
+            differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
+    if differences:
+        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
+                        f"not carry over; measure this one's with `{refind}`, {others}")
+    if not suggestion:
+        raise UserError(f"{path} holds no usable suggestion (the sweep found none); run `{refind}` "
+                        f"with a wider --find-start-lr/--find-end-lr, {others}")
+    return float(suggestion)
+
+
+def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> str:
+    """`python SCRIPT --flag value ...` giving cfg's settings that differ from the defaults."""
+    args = ["python", script]
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if f.name in leave_out or f.name == "resume" or (value == f.default and f.name != "out_dir"):
+            continue
+        if isinstance(value, bool):
+            args.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+        else:
+            args += [_flag(f.name), str(value)]
+    return shlex.join(args)
 
 
 def parse_or_exit(argv: list[str] | None = None, description: str = "") -> Config:

@@ -2,8 +2,10 @@ import dataclasses
 
 import pytest
 
-from configs import _CHOICES as CHOICES
+import configs
 from configs import Config, UserError, parse_config
+
+CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(Config) if f.metadata["choices"]}
 
 
 def test_defaults_are_the_offline_quick_start():
@@ -100,3 +102,62 @@ def test_toml_typos_and_types(tmp_path):
     broken.write_text("epochs = \n")
     with pytest.raises(UserError, match="not valid TOML"):
         parse_config(["--config", str(broken)])
+
+
+# ---------------------------------------------------------------- each rule at its field (issue 12)
+
+OUTSIDE = {"> 0": "0", ">= 0": "-1", "in [0, 1]": "1.5", "in [0, 1)": "1", "in (0, 1)": "0"}
+
+
+@pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.metadata["limits"]],
+                         ids=lambda f: f.name)
+def test_each_declared_range_is_enforced(field):
+    """A value just outside the range written at the field is refused, naming the field and range."""
+    limits = field.metadata["limits"]
+    with pytest.raises(UserError) as err:
+        parse_config(["--" + field.name.replace("_", "-"), OUTSIDE[limits]])
+    assert str(err.value).startswith(f"{field.name} must be {limits}")
+
+
+def test_every_field_has_help_and_numbers_a_range():
+    for field in dataclasses.fields(Config):
+        assert len(field.metadata["help"]) > 10, field.name
+        number = isinstance(field.default, int | float) and not isinstance(field.default, bool)
+        assert field.metadata["limits"] or not number or field.name == "lr", field.name
+
+
+def test_choice_lists_agree_with_the_files_that_must_stay_standalone():
+    """schedules.py and lr_find.py are copied alone into other projects, so they keep their own
+    lists; configs must offer exactly what they accept ("auto" lets lr_find pick by schedule)."""
+    import data
+    import lr_find
+    import runtime
+    import schedules
+
+    assert configs.SCHEDULES == schedules.SCHEDULES
+    assert set(configs.FIND_METHODS) - {"auto"} == set(lr_find.METHODS)
+    assert set(data.TORCHVISION_SETS) | {"digits", "imagefolder", "synthetic"} == set(configs.DATASETS)
+    import torch
+
+    for mode in configs.AMP_MODES:
+        runtime.amp_dtype(torch.device("cpu"), mode)
+    assert CHOICES == {"dataset": configs.DATASETS, "loader": configs.LOADERS,
+                       "optimizer": configs.OPTIMIZERS, "schedule": configs.SCHEDULES,
+                       "find_method": configs.FIND_METHODS, "amp": configs.AMP_MODES}
+
+
+def test_help_says_what_0_and_auto_mean(capsys):
+    """Every 0 that means something other than zero, and every 'auto', is explained in --help."""
+    with pytest.raises(SystemExit) as done:
+        parse_config(["--help"])
+    assert done.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at hyphens
+    for field in dataclasses.fields(Config):
+        text = field.metadata["help"]
+        assert "".join(text.split()) in shown, field.name
+        if field.default == 0 and not isinstance(field.default, bool) and field.name != "seed":
+            assert "0:" in text or "0 turns" in text, field.name
+        if field.default == "auto" or "auto" in (field.metadata["choices"] or ()):
+            assert "auto:" in text, field.name
+    lr_help = dict((f.name, f.metadata["help"]) for f in dataclasses.fields(Config))["lr"]
+    assert "auto:" in lr_help and "find:" in lr_help
