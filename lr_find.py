@@ -32,6 +32,7 @@ __all__ = [
     "lr_find",
     "plot_lr_find",
     "restore_rng_state",
+    "save_sweep",
     "suggest_lr",
 ]
 
@@ -642,6 +643,41 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
     return fig
 
 
+def save_sweep(result: LRFindResult, config: dict, out_dir: Any) -> list[Any]:
+    """Write lr_find.json (the sweep, its suggestion and the `config` it ran with), lr_find.png
+    (when matplotlib is there) and TensorBoard scalars into ``out_dir``: the one writer for
+    `python lr_find.py` and `train.py --lr find`. Returns the paths of the files written."""
+    import json
+    from pathlib import Path
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    def finite_or_none(values: list[float]) -> list[float | None]:
+        return [v if math.isfinite(v) else None for v in values]
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"lrs": result.lrs, "losses": finite_or_none(result.losses),
+              "smoothed": finite_or_none(result.smoothed), "suggestion": result.suggestion,
+              "method": result.method, "stop_reason": result.stop_reason, "config": config}
+    wrote = [out_dir / "lr_find.json"]
+    wrote[0].write_text(json.dumps(record, indent=2))
+    with SummaryWriter(str(out_dir)) as writer:
+        points = zip(result.lrs, result.losses, result.smoothed, strict=True)
+        for i, (lr, loss, smoothed) in enumerate(points):
+            writer.add_scalar("lr_find/lr", lr, i)
+            if math.isfinite(loss) and math.isfinite(smoothed):
+                writer.add_scalar("lr_find/loss", loss, i)
+                writer.add_scalar("lr_find/smoothed", smoothed, i)
+        try:
+            figure = plot_lr_find(result, out_dir / "lr_find.png")
+            writer.add_figure("lr_find", figure, close=False)
+            wrote.append(out_dir / "lr_find.png")
+        except ImportError:
+            pass
+    return wrote
+
+
 # --- command line -------------------------------------------------------------------------
 
 
@@ -670,7 +706,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     import functools
     import itertools
-    import json
     import os
     from pathlib import Path
 
@@ -713,31 +748,8 @@ def main(argv: list[str] | None = None) -> None:
             method=cfg.find_method, progress=progress)
     bar.close()
 
-    def finite_or_none(values: list[float]) -> list[float | None]:
-        return [v if math.isfinite(v) else None for v in values]
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"lrs": result.lrs, "losses": finite_or_none(result.losses),
-              "smoothed": finite_or_none(result.smoothed), "suggestion": result.suggestion,
-              "method": result.method, "stop_reason": result.stop_reason,
-              "config": cfg.to_dict()}
-    (out_dir / "lr_find.json").write_text(json.dumps(record, indent=2))
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(out_dir)) as writer:
-        points = zip(result.lrs, result.losses, result.smoothed, strict=True)
-        for i, (lr, loss, smoothed) in enumerate(points):
-            writer.add_scalar("lr_find/lr", lr, i)
-            if math.isfinite(loss) and math.isfinite(smoothed):
-                writer.add_scalar("lr_find/loss", loss, i)
-                writer.add_scalar("lr_find/smoothed", smoothed, i)
-        try:
-            figure = plot_lr_find(result, out_dir / "lr_find.png")
-            writer.add_figure("lr_find", figure, close=False)
-            plot_note = f", {out_dir / 'lr_find.png'}"
-        except ImportError:
-            plot_note = " (no plot: pip install matplotlib)"
+    wrote = save_sweep(result, cfg.to_dict(), out_dir)
+    plot_note = f", {wrote[1]}" if len(wrote) > 1 else " (no plot: pip install matplotlib)"
 
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}; wrote {out_dir / 'lr_find.json'}{plot_note}")
