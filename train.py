@@ -6,14 +6,17 @@ evaluate each epoch -> checkpoint -> summary. Multi-GPU: `torchrun --nproc_per_n
 
 from __future__ import annotations
 
-import json
+import functools
+import itertools
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext, suppress
+import warnings
+from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import torch
@@ -21,35 +24,71 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import runtime
-from configs import Config, UserError, exit_with_error, parse_or_exit
+from configs import (
+    Config,
+    UserError,
+    check_resumable,
+    exit_with_error,
+    parse_given,
+    resolve_lr,
+    resumed_config,
+    validate,
+)
 from data import UnreadableImage, build_loaders
 from lr_find import capture_rng_state, restore_rng_state
 from models import build_model, build_optimizer
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
-# Settings that may differ when resuming: they change how a run is watched, not what it computes.
-RESUME_MAY_CHANGE = {"out_dir", "resume", "device", "log_every", "save_every", "num_workers",
-                     "loader", "data_dir", "compile", "allow_more_epochs", "find_start_lr",
-                     "find_end_lr", "find_iters", "find_method"}
-LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "epoch", "batch", "step", "rng", "config")
+SECONDS_COVER = ("seconds: this process's training loop, evaluation and checkpoints included, start-up "
+                 "not; total_seconds: the same over every part of the run")
+RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's time up to the checkpoint "
+                 "the next part resumed from (time after a part's last save was lost)")
 # A logged training loss above this multiple of the run's first batch loss is not coming back
 # (lr_find.py stops its sweep at the same factor over its best loss).
 DIVERGENCE_FACTOR = 4.0
 
 
-def resolve_lr(cfg: Config) -> float:
-    """--lr auto takes the suggestion that lr_find.py wrote into the same out_dir."""
-    if cfg.lr != "auto":
-        return float(cfg.lr)
-    path = Path(cfg.out_dir) / "lr_find.json"
-    fix = f"run `python lr_find.py --out-dir {cfg.out_dir}` first, or pass --lr 0.1"
-    if not path.is_file():
-        raise UserError(f"--lr auto needs {path}, which does not exist; {fix}")
-    suggestion = json.loads(path.read_text()).get("suggestion")
-    if not suggestion:
-        raise UserError(f"{path} holds no usable suggestion (the sweep found none); {fix}")
-    return float(suggestion)
+def find_lr(cfg: Config, model: torch.nn.Module, batches, amp_dtype, scaler, device: torch.device,
+            is_main: bool, world_size: int, say) -> float:
+    """--lr find: lr_find.py's range test on this model and data, which it restores bit for bit.
+
+    Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
+    world_size of its batches per step, so each step sees the global batch as DDP will. All ranks
+    sweeping together would need the stop rule agreed at every step; one rank keeps lr_find as it is.
+    """
+    found = problem = None
+    if is_main:
+        import lr_find  # only here: train.py needs lr_find.py for --lr find alone
+
+        optimizer = build_optimizer(model, cfg, cfg.find_start_lr)  # the sweep's; training builds its own
+        stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
+        loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing)
+        try:
+            with closing(stream), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = lr_find.lr_find(
+                    model, optimizer, loss_fn, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
+                    num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * world_size,
+                    autocast_dtype=amp_dtype, scaler=scaler, device=device, method=cfg.find_method)
+            with runtime.reporting_write_errors(cfg.out_dir):
+                wrote = lr_find.save_sweep(result, cfg.to_dict(), cfg.out_dir)
+            found = result.suggestion
+            if found is None:
+                why = "; ".join(str(w.message) for w in caught) or "no usable points"
+                problem = (f"the range test suggested no learning rate ({why}); look at {wrote[-1]}, "
+                           "widen --find-start-lr/--find-end-lr or raise --find-iters, or pass --lr N")
+        except ValueError as err:  # lr_find's checks of its arguments; UserError included
+            problem = f"--lr find: {err}"
+        if found is not None:
+            alone = f"; rank 0 alone, {world_size}x its batches per step" if world_size > 1 else ""
+            say(f"lr find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
+                f"{result.stop_reason}{alone}; suggested lr {found:.4g} ({result.method}); wrote "
+                f"{', '.join(str(path) for path in wrote)}")
+    found, problem = runtime.from_rank0((found, problem))
+    if problem:
+        raise UserError(problem)
+    return found
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
@@ -78,19 +117,6 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
                         f"steps: {err}; change its options or --epochs") from None
 
 
-def check_resumable(saved: dict, cfg: Config) -> None:
-    """Refuse a resume whose config would change what the saved state means."""
-    now, defaults = cfg.to_dict(), Config().to_dict()
-    saved = {**defaults, **saved}  # a setting added since the checkpoint was written ran as its default
-    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now
-             if k not in RESUME_MAY_CHANGE and saved.get(k) != now[k]]
-    if cfg.allow_more_epochs and cfg.schedule in LENGTH_FREE_SCHEDULES:
-        diffs = [d for d in diffs if not (d.startswith("epochs:") and cfg.epochs > saved["epochs"])]
-    if diffs:
-        raise UserError(f"cannot resume: the config differs from the checkpoint's ({'; '.join(diffs)})"
-                        "; use the same settings, or a new --out-dir")
-
-
 def check_checkpoint(ckpt: dict, path: Path) -> None:
     """Refuse, in one line, a file that is not a train.py checkpoint or holds nan/inf weights."""
     missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
@@ -102,6 +128,15 @@ def check_checkpoint(ckpt: dict, path: Path) -> None:
     if not runtime.all_finite(tensors):
         raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
                         "run with a lower --lr")
+
+
+def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
+    """Where a checkpoint continues, counted from 1 as the progress lines count."""
+    if epoch >= epochs:
+        return "the run was already complete"
+    if batch >= batches:
+        return f"epoch {epoch + 1}/{epochs} trained, its evaluation next"
+    return f"epoch {epoch + 1}/{epochs} at batch {batch + 1}/{batches}"
 
 
 def divergence(train_loss: float, start_loss: float) -> str | None:
@@ -187,9 +222,12 @@ class StopFlag:
 
 
 def main() -> None:
-    cfg = parse_or_exit(description=__doc__.splitlines()[0])
     try:
-        train(cfg)
+        given = parse_given(description=__doc__.splitlines()[0])
+        cfg = Config(**given)
+        if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
+            validate(cfg)
+        train(cfg, given)
     except UserError as err:
         # Under torchrun, one line from one process; a file only one rank read, from that rank.
         if os.environ.get("RANK", "0") == "0" or isinstance(err, UnreadableImage):
@@ -199,7 +237,16 @@ def main() -> None:
         runtime.cleanup_distributed()
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, given: dict | None = None) -> dict:
+    """One training run. Resuming, the checkpoint's config is used with `given` (the settings the
+    command line gave) on top; given None means every field of cfg counts as given."""
+    ckpt = None
+    if cfg.resume:
+        path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+        ckpt = runtime.load_checkpoint(path)
+        check_checkpoint(ckpt, path)
+        cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
+        check_resumable(ckpt["config"], cfg)
     rank, world_size, device = runtime.setup_distributed(cfg.device)
     is_main = rank == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -208,13 +255,19 @@ def train(cfg: Config) -> dict:
     problem = runtime.from_rank0(problem_of(runtime.check_writable_dir, out_dir) if is_main else None)
     if problem:  # found before any data is loaded or any step is trained
         raise UserError(problem)
+    problem = None if ckpt else runtime.from_rank0(unfinished_run(out_dir / "last.pt") if is_main else None)
+    if problem:
+        raise UserError(problem)
     torch.manual_seed(cfg.seed)
 
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
+    batches = len(train_batches)
     model = build_model(cfg, info.channels, info.num_classes, device)
-    optimizer = build_optimizer(model, cfg, lr)
-    scheduler, total_steps = make_scheduler(cfg, optimizer, len(train_batches))
     amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+    if lr is None:
+        lr = find_lr(cfg, model, train_batches, amp_dtype, scaler, device, is_main, world_size, say)
+    optimizer = build_optimizer(model, cfg, lr)
+    scheduler, total_steps = make_scheduler(cfg, optimizer, batches)
     needed = checkpoint_bytes(model, cfg)
     problem = runtime.from_rank0(
         problem_of(runtime.check_free_space, out_dir, needed, "a checkpoint") if is_main else None)
@@ -224,11 +277,8 @@ def train(cfg: Config) -> dict:
     start_epoch, start_batch, step, best_acc = 0, 0, 0, 0.0
     start_loss = None  # the run's first batch loss, the yardstick for divergence
     first_loss = None  # the same, kept on the device until the first log point reads it
-    if cfg.resume:
-        path = out_dir / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
-        ckpt = runtime.load_checkpoint(path)
-        check_checkpoint(ckpt, path)
-        check_resumable(ckpt["config"], cfg)
+    seconds_before, part = 0.0, 1  # training time of earlier parts of this run, up to their last save
+    if ckpt:
         try:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -243,11 +293,9 @@ def train(cfg: Config) -> dict:
         start_epoch, start_batch, step = ckpt["epoch"], ckpt["batch"], ckpt["step"]
         best_acc = ckpt.get("best_val_acc", 0.0)
         start_loss = ckpt.get("start_loss") or math.inf  # older checkpoints: only nan/inf count
-        say(f"resumed from {path} at epoch {start_epoch}, batch {start_batch}, step {step}")
-    else:
-        problem = runtime.from_rank0(unfinished_run(out_dir / "last.pt") if is_main else None)
-        if problem:
-            raise UserError(problem)
+        seconds_before, part = ckpt.get("seconds", 0.0), ckpt.get("part", 1) + 1
+        say(f"resumed from {path} at step {step} "
+            f"({position(start_epoch, start_batch, cfg.epochs, batches)})")
 
     fast = torch.compile(model) if cfg.compile else model
     net = fast
@@ -257,7 +305,9 @@ def train(cfg: Config) -> dict:
 
     # Where last.pt would continue from right now (after the last optimizer step), and what it holds.
     done = saved_at = (start_epoch, start_batch)
-    saved_step = step if cfg.resume else None
+    saved_step = step if ckpt else None
+    to_continue = shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
+        " (under torchrun, with those flags)" if world_size > 1 else "")
 
     def checkpoint(epoch: int, batch: int, name: str = "last.pt") -> None:
         nonlocal saved_at, saved_step, start_loss
@@ -272,7 +322,8 @@ def train(cfg: Config) -> dict:
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "epoch": epoch, "batch": batch, "step": step, "total_steps": total_steps,
                 "best_val_acc": best_acc, "start_loss": start_loss,
-                "rng": capture_rng_state(), "config": cfg.to_dict(),
+                "seconds": seconds_before + time.perf_counter() - started, "part": part,
+                "rng": capture_rng_state(), "config": {**cfg.to_dict(), "lr": lr},
             }, out_dir / name)
         if name == "last.pt":
             saved_at, saved_step = (epoch, batch), step
@@ -294,7 +345,7 @@ def train(cfg: Config) -> dict:
                 checkpoint(*done)
             then = ("nothing was trained yet; replace or delete it and run again" if saved_step is None
                     else f"{out_dir / 'last.pt'} holds step {saved_step}; replace or delete it, then "
-                    "continue with `python train.py --resume` and the same options")
+                    f"continue with `{to_continue}`")
             raise UnreadableImage(f"{err}; {then}") from None
 
     def tensorboard():
@@ -326,7 +377,6 @@ def train(cfg: Config) -> dict:
         f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
         f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
 
-    batches = len(train_batches)
     val_loss = val_acc = float("nan")
     epoch_rates, started = [], time.perf_counter()
     with StopFlag() as stop, writer_closed_on_error(), saved_if_a_file_is_unreadable():
@@ -360,6 +410,9 @@ def train(cfg: Config) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 done = (epoch, i + 1)
+                if writer:  # the lr is a host-side number: logging it every step costs no device sync
+                    with tensorboard():
+                        writer.add_scalar("train/lr", step_lr, step)
                 if step % cfg.log_every == 0 or i + 1 == batches:
                     if start_loss is None:  # read together with the first logged loss: one transfer
                         train_loss, start_loss = torch.stack([loss_sum / loss_count, first_loss]).tolist()
@@ -370,7 +423,6 @@ def train(cfg: Config) -> dict:
                     if writer:
                         with tensorboard():
                             writer.add_scalar("train/loss", train_loss, step)
-                            writer.add_scalar("train/lr", step_lr, step)
                     why = divergence(train_loss, start_loss)
                     if runtime.any_rank(why is not None, device):
                         raise diverged(why or "the loss diverged on another process", step_lr)
@@ -382,7 +434,7 @@ def train(cfg: Config) -> dict:
                     checkpoint(epoch, i + 1)
                 if stopping:
                     say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; continue with "
-                        "`python train.py --resume` and the same options")
+                        f"`{to_continue}`")
                     raise SystemExit(128 + (stop.signal or signal.SIGTERM))
             bar.close()
             runtime.sync_buffers(model)
@@ -412,8 +464,11 @@ def train(cfg: Config) -> dict:
                 checkpoint(epoch + 1, 0, "best.pt")
 
     steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+    seconds = time.perf_counter() - started
     summary = {"val_acc": val_acc, "val_loss": val_loss, "best_val_acc": best_acc,
-               "epochs": cfg.epochs, "steps": step, "seconds": time.perf_counter() - started,
+               "epochs": cfg.epochs, "steps": step, "seconds": seconds,
+               "total_seconds": seconds_before + seconds, "parts": part,
+               "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
                "images_per_second": sum(steady) / len(steady) if steady else math.nan,
                "lr": lr, "world_size": world_size, "device": str(device),
                "ranks_in_sync": runtime.ranks_agree(model)}
@@ -426,7 +481,8 @@ def train(cfg: Config) -> dict:
             writer.flush()  # raises what the writer thread met; close() would drop it
             writer.close()
         runtime.write_json_atomic(out_dir / "summary.json", summary)
-        say(f"done: val acc {val_acc:.2%} (best {best_acc:.2%}) in {summary['seconds']:.1f}s; "
+        total = f" ({seconds_before + seconds:.1f}s over {part} parts)" if part > 1 else ""
+        say(f"done: val acc {val_acc:.2%} (best {best_acc:.2%}) in {seconds:.1f}s{total}; "
             f"logs and checkpoints in {out_dir}")
     return summary
 

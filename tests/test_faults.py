@@ -162,6 +162,7 @@ BAD_INPUTS = {
     "pct_start of 1": lambda ctx: ["--pct-start", "1"],
     "warmup with onecycle": lambda ctx: ["--warmup-epochs", "1"],
     "warmup longer than the run": lambda ctx: ["--schedule", "cosine", "--warmup-epochs", "5"],
+    "warmup schedule without a warmup": lambda ctx: ["--schedule", "warmup"],
     "step decay of 0": lambda ctx: ["--schedule", "step", "--gamma", "0"],
     "lr_find range reversed": lambda ctx: ["--find-start-lr", "5", "--find-end-lr", "1"],
     "stray word": lambda ctx: ["stray"],
@@ -527,7 +528,7 @@ def test_every_schedule_trains_from_one_to_twelve_steps(schedule, total):
 @pytest.mark.parametrize("schedule", SCHEDULE_FLAGS)
 def test_a_one_step_run_trains(schedule, tmp_path):
     summary = train.train(parse_config([*TINY, "--synthetic-size", "16", "--schedule", schedule,
-                                        "--out-dir", str(tmp_path)]))
+                                        *SCHEDULE_FLAGS[schedule], "--out-dir", str(tmp_path)]))
     assert summary["steps"] == 1 and math.isfinite(summary["val_loss"])
 
 

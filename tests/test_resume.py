@@ -100,7 +100,7 @@ def running(pid: int) -> bool:
 def resumed_at(stdout: str) -> int:
     """The step a resumed run says it continued from."""
     line = next(line for line in stdout.splitlines() if line.startswith("resumed from"))
-    return int(line.rsplit("step", 1)[1])
+    return int(line.split(" at step ")[1].split()[0])
 
 
 def test_kill_9_mid_epoch_then_resume_is_bit_identical(tmp_path):

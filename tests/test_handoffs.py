@@ -1,0 +1,258 @@
+"""From one command to the next (issue 16): --lr auto refuses a rate measured on another setup,
+--lr find sweeps in the same process, --resume takes the checkpoint's config. And the first-hour
+surprises of issue 17: warmup needs a length, --channels for image folders, a failed download's
+folders, epochs counted from 1, summary.json's seconds over resumed parts."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_script
+from test_resume import assert_same_state, final_state
+
+import runtime
+import train
+from configs import UserError, lr_setup_differences, parse_config, resolve_lr, resumed_config
+
+TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
+        "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
+
+
+def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """`python train.py ARGV`, in this process."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, argv)])
+    code = 0
+    try:
+        train.main()
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(code, err: str) -> str:
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    return err
+
+
+def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
+    """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
+    record = {"lrs": [1e-3, 1e-1], "losses": [2.3, 2.0], "smoothed": [2.3, 2.1], "method": "steepest",
+              "stop_reason": "completed", "suggestion": suggestion, "config": config, **extra}
+    (out_dir / "lr_find.json").write_text(json.dumps(record))
+
+
+# ---------------------------------------------------------------- --lr auto checks the setup
+
+@pytest.mark.parametrize("swept, shown", [
+    (["--optimizer", "adamw"], "optimizer: 'adamw' -> 'sgd'"),
+    (["--batch-size", "32"], "batch_size: 32 -> 16"),
+    (["--accum-steps", "2"], "accum_steps: 2 -> 1"),
+    (["--width", "8"], "width: 8 -> 4"),
+    (["--model", "resnet9"], "model: 'resnet9' -> 'resnet_small'"),
+    (["--dataset", "digits"], "dataset: 'digits' -> 'synthetic'"),
+    (["--image-size", "16"], "image_size: 16 -> 8"),
+    (["--weight-decay", "0.01"], "weight_decay: 0.01 -> 0.0005"),
+    (["--momentum", "0.5"], "momentum: 0.5 -> 0.9"),
+    (["--amp", "bf16"], "amp: 'bf16' -> 'auto'"),
+])
+def test_lr_auto_refuses_a_rate_measured_on_another_setup(swept, shown, tmp_path, monkeypatch, capsys):
+    write_sweep(tmp_path, 0.05, *TINY, *swept)
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "auto", "--out-dir", tmp_path)
+    line = one_line(code, err)
+    assert shown in line and "--lr find" in line and not list(tmp_path.glob("*.pt"))
+    command = line.split("`")[1]  # the command the line says re-finds the rate for this setup
+    assert command.startswith("python lr_find.py ")
+    refound = parse_config(shlex.split(command)[2:])
+    assert refound.out_dir == str(tmp_path)
+    assert lr_setup_differences(refound.to_dict(), parse_config([*TINY, "--out-dir", str(tmp_path)])) == []
+
+
+def test_lr_auto_takes_the_rate_of_the_same_setup(tmp_path):
+    write_sweep(tmp_path, 0.05, *TINY, "--epochs", "9", "--seed", "3", "--find-iters", "80")
+    cfg = parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)])
+    assert resolve_lr(cfg) == 0.05  # epochs, seed and the sweep's own settings do not count
+
+
+def test_momentum_counts_only_for_sgd():
+    adamw = parse_config(["--optimizer", "adamw", "--momentum", "0.5", "--no-nesterov"]).to_dict()
+    assert lr_setup_differences(adamw, parse_config(["--optimizer", "adamw"])) == []
+    sgd = parse_config(["--no-nesterov"]).to_dict()
+    assert lr_setup_differences(sgd, parse_config([])) == ["nesterov: False -> True"]
+
+
+def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
+    """lr_find.json holding one suggestion per schedule family: --lr auto takes its schedule's."""
+    suggestions = {"peak": {"lr": 0.05, "method": "minimum", "schedules": ["onecycle"]},
+                   "base": {"lr": 0.01, "method": "knee", "schedules": ["constant", "step", "cosine"]}}
+    write_sweep(tmp_path, 0.05, *TINY, suggestions=suggestions)
+    lr_of = {name: resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
+                                                  "--out-dir", str(tmp_path)]))
+             for name in ("onecycle", "cosine")}
+    assert lr_of == {"onecycle": 0.05, "cosine": 0.01}
+    with pytest.raises(UserError, match="schedule: none of its suggestions serves 'warmup'"):
+        resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs", "1",
+                                       "--out-dir", str(tmp_path)]))
+
+
+# ---------------------------------------------------------------- --lr find
+
+def test_lr_find_trains_exactly_as_the_rate_it_found(tmp_path, capsys):
+    """The sweep runs on the very model, data and (worker-fed) loader the run then trains with, and
+    leaves nothing behind: the run ends bit-identical to one started with the rate as a number."""
+    argv = [*TINY, "--dropout", "0.25", "--loader", "dataloader", "--num-workers", "1", "--find-iters", "15"]
+    found = train.train(parse_config([*argv, "--lr", "find", "--out-dir", str(tmp_path / "find")]))
+    record = json.loads((tmp_path / "find" / "lr_find.json").read_text())
+    assert found["lr"] == record["suggestion"] and len(record["lrs"]) == record["config"]["find_iters"] == 15
+    assert (tmp_path / "find" / "lr_find.png").is_file()
+    assert f"suggested lr {found['lr']:.4g}" in capsys.readouterr().out
+    plain = train.train(parse_config([*argv, "--lr", repr(found["lr"]), "--out-dir", str(tmp_path / "p")]))
+    assert plain["lr"] == found["lr"]
+    assert_same_state(final_state(tmp_path / "find" / "last.pt"), final_state(tmp_path / "p" / "last.pt"))
+    again = parse_config([*argv, "--lr", "auto", "--out-dir", str(tmp_path / "find")])
+    assert resolve_lr(again) == found["lr"]  # and --lr auto accepts the sweep as this setup's
+
+
+def test_lr_find_without_a_suggestion_is_one_line(tmp_path, monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "find", "--find-start-lr", "1e30",
+                              "--find-end-lr", "1e35", "--find-iters", "10", "--out-dir", tmp_path)
+    line = one_line(code, err)
+    assert "suggested no learning rate" in line and "lr_find.png" in line
+    assert (tmp_path / "lr_find.json").is_file() and not list(tmp_path.glob("*.pt"))
+
+
+def test_lr_find_under_torchrun_rank_0_sweeps_and_all_train_with_its_rate(tmp_path):
+    argv = [*TINY, "--synthetic-size", "256", "--epochs", "1", "--find-iters", "10", "--lr", "find",
+            "--out-dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", "train.py", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("lr find:") == 1 and "rank 0 alone, 2x its batches" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    assert summary["lr"] == record["suggestion"] and summary["ranks_in_sync"] is True
+    assert record["config"]["batch_size"] == 16 and summary["world_size"] == 2
+
+
+# ---------------------------------------------------------------- --resume takes the checkpoint's config
+
+def test_resume_needs_only_the_out_dir(tmp_path, monkeypatch, capsys):
+    argv = [*TINY, "--schedule", "constant", "--lr", "auto", "--width", "8", "--dropout", "0.25",
+            "--save-every", "3", "--loader", "dataloader"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for folder in (straight, broken):
+        write_sweep(folder, 0.05, *argv)
+    train.train(parse_config([*argv, "--out-dir", str(straight)]))
+
+    real_step, calls = train.optimizer_step, [0]
+
+    def crash_at_step_7(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise RuntimeError("the machine went away")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "optimizer_step", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="went away"):
+        train.train(parse_config([*argv, "--out-dir", str(broken)]))
+    monkeypatch.setattr(train, "optimizer_step", real_step)
+    saved = runtime.load_checkpoint(broken / "last.pt")
+    assert saved["step"] == 6 and saved["config"]["lr"] == 0.05  # --lr auto saved as the number used
+    (broken / "lr_find.json").unlink()  # a resume never reads it again
+
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--width", "16")
+    assert "width: 8 -> 16" in one_line(code, err)  # what the run computes may not change
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--log-every", "5",
+                              "--lr", "auto")
+    assert code == 0, err
+    assert f"resumed from {broken / 'last.pt'} at step 6 (epoch 1/2 at batch 7/8)" in out
+    assert json.loads((broken / "config.json").read_text())["log_every"] == 5  # how it is watched may
+    assert_same_state(final_state(straight / "last.pt"), final_state(broken / "last.pt"))
+    summary = json.loads((broken / "summary.json").read_text())
+    assert summary["parts"] == 2 and summary["total_seconds"] > summary["seconds"] > 0
+    assert "resumed" in summary["seconds_cover"] and summary["lr"] == 0.05
+
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--epochs", "3")
+    assert "add --allow-more-epochs" in one_line(code, err)
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--epochs", "3",
+                              "--allow-more-epochs")
+    assert code == 0, err
+    assert json.loads((broken / "summary.json").read_text())["steps"] == 24
+    assert runtime.load_checkpoint(broken / "last.pt")["config"]["allow_more_epochs"] is True
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--epochs", "4")
+    assert "epochs: 3 -> 4" in one_line(code, err)  # the permission is never taken from a checkpoint
+
+
+def test_resumed_config_layers():
+    saved = parse_config(["--width", "8", "--out-dir", "runs/a", "--lr", "0.3"]).to_dict()
+    saved["allow_more_epochs"] = True
+    saved["retired_setting"] = 1  # a field since removed from Config is ignored
+    cfg = resumed_config(saved, {"resume": "auto", "out_dir": "runs/a", "lr": "find"}, "runs/a/last.pt")
+    assert (cfg.width, cfg.lr, cfg.out_dir, cfg.allow_more_epochs) == (8, 0.3, "runs/a", False)
+    elsewhere = resumed_config(saved, {"resume": "copies/b/best.pt"}, "copies/b/best.pt")
+    assert elsewhere.out_dir == "copies/b"  # --resume PATH continues in PATH's folder
+    with pytest.raises(UserError, match="epochs must be > 0"):
+        resumed_config(saved, {"resume": "auto", "epochs": 0}, "runs/a/last.pt")
+
+
+# ---------------------------------------------------------------- no silent no-ops; files and messages
+
+def test_warmup_schedule_needs_a_warmup_length():
+    with pytest.raises(UserError, match="needs --warmup-epochs > 0") as err:
+        parse_config(["--schedule", "warmup"])
+    assert "--schedule constant" in str(err.value)
+    assert parse_config(["--schedule", "warmup", "--warmup-epochs", "0.5"]).warmup_epochs == 0.5
+
+
+def test_channels_applies_to_image_folders(tmp_path):
+    from PIL import Image
+
+    from data import build_loaders
+
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            for k in range(4):
+                pixels = torch.randint(0, 256, (8, 8, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(pixels).save(tmp_path / split / label / f"{k}.png")
+    flags = ["--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size", "8", "--no-augment",
+             "--batch-size", "4", "--num-workers", "0"]
+    gray, _, info = build_loaders(parse_config([*flags, "--channels", "1"]), torch.device("cpu"))
+    rgb, _, _ = build_loaders(parse_config(flags), torch.device("cpu"))
+    assert info.channels == 1
+    (x1, _), (x3, _) = next(gray.epoch(0)), next(rgb.epoch(0))
+    assert x1.shape == (4, 1, 8, 8) and x3.shape == (4, 3, 8, 8)
+    pixels_gray = x1 / gray.scale + gray.shift / gray.scale  # back to 0..255
+    pixels_rgb = x3 / rgb.scale + rgb.shift / rgb.scale
+    luma = (pixels_rgb * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    assert (pixels_gray - luma).abs().max() < 1.0  # PIL's "L": ITU-R 601-2 luma
+    with pytest.raises(UserError, match="RGB .--channels 3. or grayscale .--channels 1."):
+        build_loaders(parse_config([*flags, "--channels", "2"]), torch.device("cpu"))
+
+
+OFFLINE = {name: "http://127.0.0.1:9" for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+
+
+def test_failed_download_leaves_no_folders_it_created(tmp_path):
+    """Offline (every request goes to a closed local port): one line, and no empty data/MNIST/raw."""
+    result = run_script("train.py", "--config", "configs/mnist.toml", "--device", "cpu",
+                        "--data-dir", str(tmp_path / "new" / "data"), "--out-dir", str(tmp_path / "run"),
+                        env={**OFFLINE, "no_proxy": "", "NO_PROXY": ""})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "could not be downloaded" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_header_counts_epochs_from_1():
+    assert train.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
+    assert train.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
+    assert train.position(3, 0, 3, 8) == "the run was already complete"
+
