@@ -10,6 +10,7 @@ run or a DDP rank sees exactly the batches it would have seen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 from collections.abc import Iterator
@@ -160,13 +161,17 @@ class Batches:
         """One DataLoader for all epochs: its workers start once, not at every epoch and evaluation.
 
         Its sampler's indices are swapped before each pass, so one pass at a time per Batches.
+        It has a generator of its own: each pass would otherwise draw its workers' seed from the
+        global RNG, which dropout also draws from, and a resumed run (or one after --lr find)
+        would start its passes at other points of that stream than an uninterrupted one.
         """
         if self._loader is None:
             self._sampler = _Indices()
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=self.batch_size, sampler=self._sampler,
                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-                persistent_workers=self.num_workers > 0)
+                persistent_workers=self.num_workers > 0,
+                generator=torch.Generator().manual_seed(self.seed))
         self._sampler.indices = indices
         return iter(self._loader)
 
@@ -219,12 +224,19 @@ def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
     try:
         splits = [cls(str(root), train=t, download=False) for t in (True, False)]
     except RuntimeError:
+        # Folders a failed download would leave empty behind it, deepest first.
+        absolute = root.absolute()
+        created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
+                               *absolute.parents) if not d.exists()]
         try:
             if not downloader:
                 raise RuntimeError("rank 0 could not download it")
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 splits = [cls(str(root), train=t, download=True) for t in (True, False)]
         except Exception as err:
+            for folder in created if downloader else ():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if still empty
             raise UserError(
                 f"dataset {cfg.dataset} is not in {root.resolve()} and could not be downloaded "
                 f"({type(err).__name__}); run once with network access, or copy the "
@@ -254,13 +266,14 @@ class UnreadableImage(UserError):
         super().__init__(message)
 
 
-def read_image(path: str):
-    """torchvision's PIL loader, failing with one line that says which file and class it was."""
+def read_image(path: str, mode: str = "RGB"):
+    """torchvision's PIL loader, failing with one line that says which file and class it was.
+    `mode` is PIL's: "RGB", or "L" for grayscale."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
+            return Image.open(f).convert(mode)
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
         reason = "not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else (
             str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__)
@@ -272,14 +285,18 @@ def _image_folder(cfg: Config):
     from torchvision import datasets, transforms
 
     root, size = Path(cfg.data_dir), cfg.image_size or 32
+    if cfg.channels not in (1, 3):
+        raise UserError(f"imagefolder loads images as RGB (--channels 3) or grayscale (--channels 1), "
+                        f"not with {cfg.channels} channels")
     layout = f"expected {root}/train/<class>/*.png|jpg and {root}/val/<class>/*"
+    loader = functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise UserError(f"imagefolder: {root / split} is missing; {layout}")
     tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
                              transforms.PILToTensor()])
     try:
-        train, val = (datasets.ImageFolder(str(root / s), transform=tf, loader=read_image)
+        train, val = (datasets.ImageFolder(str(root / s), transform=tf, loader=loader)
                       for s in ("train", "val"))
     except (FileNotFoundError, RuntimeError) as err:
         raise UserError(f"imagefolder: {str(err).splitlines()[0]}; {layout}") from None
@@ -308,8 +325,10 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     per_rank = cfg.batch_size // world_size
     if cfg.dataset == "imagefolder":
         train, val, num_classes = _image_folder(cfg)
-        channels, size = 3, cfg.image_size or 32
+        channels, size = cfg.channels, cfg.image_size or 32
         mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
+        if channels == 1:  # grayscale: the average of ImageNet's channel statistics
+            mean, std = mean.mean().view(1), std.mean().view(1)
         sources, mode = ((train, None), (val, None)), "dataloader"
         if cfg.loader == "device":
             raise UserError("imagefolder reads files through workers; use --loader dataloader")
