@@ -2,6 +2,7 @@
 
 Self-contained (torch + standard library only), so it can be copied alone into another project.
 Preview a schedule: python schedules.py --schedule cosine --total-steps 1000 --warmup-steps 50
+(a table; add --png PATH for a plot)
 """
 
 from __future__ import annotations
@@ -286,7 +287,8 @@ def _plot(lrs: list[float], title: str, path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Preview a schedule on a dummy SGD optimizer (momentum 0.9): a table and a PNG."""
+    """Preview a schedule on a dummy SGD optimizer (momentum 0.9): a table of lr and momentum,
+    and a plot only when --png PATH is given (nothing is written otherwise)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.error = _fail
     parser.add_argument("--schedule", required=True, choices=SCHEDULES)
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     names = ("step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor", "final_div_factor")
     for key in names:
         parser.add_argument("--" + key.replace("_", "-"), type=int if key == "step_size" else float)
-    parser.add_argument("--png", help="output path (default schedule_<name>.png; '' skips)")
+    parser.add_argument("--png", metavar="PATH", help="also plot the lr into this PNG file (needs "
+                        "matplotlib); without --png nothing is written")
     args = parser.parse_args(argv)
     options = {key: getattr(args, key) for key in names if getattr(args, key) is not None}
     try:
@@ -316,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step':>8}  {'lr':>12}  {'momentum':>8}")
     for k in sorted({round(i * last / 11) for i in range(12)}):
         print(f"{k:>8}  {lrs[k]:>12.6g}  {momenta[k]:>8.4g}")
-    png = f"schedule_{args.schedule}.png" if args.png is None else args.png
-    print(_plot(lrs, f"{args.schedule} ({args.total_steps} steps)", png) if png else "no PNG")
+    if args.png:
+        print(_plot(lrs, f"{args.schedule} ({args.total_steps} steps)", args.png))
     return 0
 
 

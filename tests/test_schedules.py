@@ -238,7 +238,7 @@ runpy.run_path("schedules.py", run_name="__main__")
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split()[0] == "0" and "49" in out.stdout
-    assert "no PNG" in out.stdout or (tmp_path / "schedule_cosine.png").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["schedules.py"]
 
 
 BAD = [
@@ -307,6 +307,15 @@ def test_cli_bad_input_exits_2_with_one_line(argv, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_cli_writes_a_png_only_when_asked(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert schedules.main(["--schedule", "cosine", "--total-steps", "20"]) == 0
+    assert list(tmp_path.iterdir()) == [] and "png" not in capsys.readouterr().out.lower()
+    pytest.importorskip("matplotlib")
+    assert schedules.main(["--schedule", "cosine", "--total-steps", "20", "--png", "c.png"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["c.png"] and "wrote c.png" in capsys.readouterr().out
 
 
 def test_cli_table(capsys, tmp_path):
