@@ -32,6 +32,7 @@ LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not dep
 LIMITS = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
+    ">= 10": lambda v: v >= 10,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in (0, 1)": lambda v: 0 < v < 1,
@@ -113,7 +114,8 @@ class Config:
     find_start_lr: float = setting(1e-7, "range test: the first lr", limits="> 0", may_change=True)
     find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
                                  limits="> 0", may_change=True)
-    find_iters: int = setting(50, "range test: optimizer steps", limits="> 0", may_change=True)
+    find_iters: int = setting(50, "range test: optimizer steps (a suggestion needs 10 or more)",
+                              limits=">= 10", may_change=True)
     find_method: str = setting("steepest", "range test: how the suggestion is read off the curve",
                                choices=FIND_METHODS, may_change=True)
     # runtime

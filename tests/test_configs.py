@@ -106,7 +106,7 @@ def test_toml_typos_and_types(tmp_path):
 
 # ---------------------------------------------------------------- each rule at its field (issue 12)
 
-OUTSIDE = {"> 0": "0", ">= 0": "-1", "in [0, 1]": "1.5", "in [0, 1)": "1", "in (0, 1)": "0"}
+OUTSIDE = {"> 0": "0", ">= 0": "-1", ">= 10": "9", "in [0, 1]": "1.5", "in [0, 1)": "1", "in (0, 1)": "0"}
 
 
 @pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.metadata["limits"]],
