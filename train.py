@@ -34,18 +34,25 @@ RESUME_MAY_CHANGE = {"out_dir", "resume", "device", "log_every", "save_every", "
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 
 
-def resolve_lr(cfg: Config) -> float:
-    """--lr auto takes the suggestion that lr_find.py wrote into the same out_dir."""
+def resolve_lr(cfg: Config, say=print) -> float:
+    """--lr auto takes the suggestion that lr_find.py wrote into the same out_dir for this schedule:
+    onecycle's peak, or the starting rate of the others."""
     if cfg.lr != "auto":
         return float(cfg.lr)
     path = Path(cfg.out_dir) / "lr_find.json"
     fix = f"run `python lr_find.py --out-dir {cfg.out_dir}` first, or pass --lr 0.1"
     if not path.is_file():
         raise UserError(f"--lr auto needs {path}, which does not exist; {fix}")
-    suggestion = json.loads(path.read_text()).get("suggestion")
-    if not suggestion:
-        raise UserError(f"{path} holds no usable suggestion (the sweep found none); {fix}")
-    return float(suggestion)
+    record = json.loads(path.read_text())
+    picks = [s for s in record.get("suggestions", {}).values() if cfg.schedule in s["schedules"]]
+    pick = picks[0] if picks else {"lr": record.get("suggestion"), "method": record.get("method")}
+    if not pick["lr"]:
+        raise UserError(f"{path} holds no usable suggestion for --schedule {cfg.schedule} (the sweep "
+                        f"found none); {fix}")
+    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
+    say(f"lr auto: {pick['lr']:.4g} from {path}, the suggestion for --schedule {cfg.schedule} "
+        f"({what}, rule {pick['method']})")
+    return float(pick["lr"])
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
@@ -157,7 +164,7 @@ def train(cfg: Config) -> dict:
     is_main = rank == 0
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
-    lr = resolve_lr(cfg)
+    lr = resolve_lr(cfg, say)
     torch.manual_seed(cfg.seed)
 
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)

@@ -20,7 +20,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefol
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("steepest", "min/10", "valley")
+FIND_METHODS = ("auto", "minimum", "knee", "valley", "steepest", "min/10")  # lr_find.METHODS, plus auto
 
 
 @dataclass
@@ -58,10 +58,10 @@ class Config:
     div_factor: float = 25.0
     final_div_factor: float = 1e4
     # lr_find.py
-    find_start_lr: float = 1e-7
+    find_start_lr: float = 1e-5
     find_end_lr: float = 10.0
     find_iters: int = 50
-    find_method: str = "steepest"
+    find_method: str = "auto"  # auto: the rule lr_find.DEFAULT_RULES gives --schedule
     # runtime
     device: str = "auto"  # auto picks cuda > mps > cpu
     amp: str = "auto"  # auto: bf16 where supported, else fp16 + GradScaler; off on CPU
