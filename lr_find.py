@@ -33,11 +33,11 @@ import torch
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 # The rule per optimizer kind and schedule, as bench_lr_find.py measured (README, "Learning rate"):
 # started at full rate with no warmup, Adam-like optimizers blow up well below the sweep's bottom.
-DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "knee"},
+DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"},
                  "adaptive": {"peak": "minimum", "base": "min/10"}}
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
             torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
-METHODS = ("minimum", "knee", "valley", "steepest", "min/10")
+METHODS = ("minimum", "min/3", "min/10", "valley", "steepest")
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
@@ -177,18 +177,6 @@ def minimum(curve: SuggestionCurve) -> float | None:
     return 10 ** min(max(vertex, x0), x2)
 
 
-def knee(curve: SuggestionCurve) -> float | None:
-    """Where the fall has slowed to half its steepest rate: the end of the fast descent. An SGD
-    base rate, clear of the turn that SGD's loss falls fast right up to."""
-    i = min(range(curve.first, curve.lowest + 1), key=curve.slope.__getitem__)
-    half = curve.slope[i] / 2
-    j = next((j for j in range(i + 1, curve.lowest + 1) if curve.slope[j] > half), None)
-    if half >= 0 or j is None:
-        return None
-    (x0, x1), (s0, s1) = [math.log10(v) for v in curve.lrs[j - 1:j + 1]], curve.slope[j - 1:j + 1]
-    return 10 ** (x0 + (x1 - x0) * (half - s0) / (s1 - s0))
-
-
 def steepest(curve: SuggestionCurve) -> float | None:
     """Where the loss falls fastest per decade, up to the lowest loss (a fall after a blow-up is
     no descent worth having) and never in the last 5% (already diverging)."""
@@ -213,14 +201,20 @@ def valley(curve: SuggestionCurve) -> float | None:
     return curve.lrs[next(j for j in range(run_start, run_start + run_len + 1) if loss[j] <= target)]
 
 
+def min_over_3(curve: SuggestionCurve) -> float | None:
+    """A third of ``minimum``: a rate that SGD can start at and hold."""
+    lr = minimum(curve)
+    return None if lr is None else lr / 3
+
+
 def min_over_10(curve: SuggestionCurve) -> float | None:
-    """A tenth of ``minimum``: fastai's classic rule; the base rate for Adam-like optimizers."""
+    """A tenth of ``minimum`` (fastai's classic rule): what Adam-like optimizers can start at."""
     lr = minimum(curve)
     return None if lr is None else lr / 10
 
 
 RULES: dict[str, Callable[[SuggestionCurve], float | None]] = {
-    "minimum": minimum, "knee": knee, "valley": valley, "steepest": steepest, "min/10": min_over_10}
+    "minimum": minimum, "min/3": min_over_3, "min/10": min_over_10, "valley": valley, "steepest": steepest}
 
 
 def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
@@ -353,7 +347,7 @@ def _rederive(out_dir: Any, find_method: str, schedule: str, given: set[str]) ->
 
     from configs import exit_with_error
 
-    other = sorted(given - {"--from-json", "--find-method", "--schedule"})
+    other = sorted(given - {"--from-json", "--find-method", "--schedule", "--out-dir"})
     if other:
         exit_with_error(f"--from-json re-reads a saved sweep: it takes --find-method and --schedule, "
                         f"not {', '.join(other)}")

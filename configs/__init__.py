@@ -20,7 +20,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefol
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("auto", "minimum", "knee", "valley", "steepest", "min/10")  # lr_find.METHODS, plus auto
+FIND_METHODS = ("auto", "minimum", "min/3", "min/10", "valley", "steepest")  # lr_find.METHODS, plus auto
 
 
 @dataclass

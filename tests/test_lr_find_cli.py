@@ -36,7 +36,7 @@ def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
     peak, base = record["suggestions"]["peak"], record["suggestions"]["base"]
     assert record["schedule"] == "onecycle" and peak["schedules"] == ["onecycle"]
     assert (suggestion, record["method"]) == (peak["lr"], peak["method"]) == (peak["lr"], "minimum")
-    assert base["method"] == "knee" and base["lr"] < peak["lr"]
+    assert base["method"] == "min/3" and base["lr"] == pytest.approx(peak["lr"] / 3)
     assert set(base["schedules"]) == {"constant", "step", "cosine", "warmup"}
     assert (tmp_path / "lr_find.png").stat().st_size > 1000
     from matplotlib.image import imread
@@ -74,7 +74,7 @@ def test_from_json_rederives_for_another_schedule_and_lr_auto_follows(tmp_path, 
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert record["lrs"] == saved["lrs"] and record["schedule"] == record["config"]["schedule"] == "cosine"
     base, peak = record["suggestions"]["base"], record["suggestions"]["peak"]
-    assert (record["suggestion"], record["method"]) == (base["lr"], "knee")
+    assert (record["suggestion"], record["method"]) == (base["lr"], "min/3")
     assert "for --schedule cosine" in capsys.readouterr().out
     assert (tensorboard_image(tmp_path, "lr_find") == __import__("matplotlib.image").image.imread(
         tmp_path / "lr_find.png")[..., :3]).all()
