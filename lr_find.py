@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     import torch.nn.functional as F
+    from tqdm import tqdm
 
     import runtime
     from configs import exit_with_error, parse_or_exit
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         batches, _, info = build_loaders(cfg, device)
         model = build_model(cfg, info.channels, info.num_classes, device)
         amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+        bar = tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = lr_find(
@@ -333,7 +335,9 @@ def main(argv: list[str] | None = None) -> None:
                 (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch)),
                 start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
                 accum_steps=cfg.accum_steps, autocast_dtype=amp_dtype, scaler=scaler, device=device,
-                schedule=cfg.schedule, method=None if cfg.find_method == "auto" else cfg.find_method)
+                schedule=cfg.schedule, method=None if cfg.find_method == "auto" else cfg.find_method,
+                progress=lambda i, lr, loss: bar.update())
+        bar.close()
     except ValueError as err:  # configs.UserError is one
         exit_with_error(str(err))
     _save(result, cfg.to_dict(), out_dir, caught)

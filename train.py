@@ -43,9 +43,12 @@ def resolve_lr(cfg: Config, say=print) -> float:
     fix = f"run `python lr_find.py --out-dir {cfg.out_dir}` first, or pass --lr 0.1"
     if not path.is_file():
         raise UserError(f"--lr auto needs {path}, which does not exist; {fix}")
-    record = json.loads(path.read_text())
-    picks = [s for s in record.get("suggestions", {}).values() if cfg.schedule in s["schedules"]]
-    pick = picks[0] if picks else {"lr": record.get("suggestion"), "method": record.get("method")}
+    try:
+        record = json.loads(path.read_text())
+        picks = [s for s in record.get("suggestions", {}).values() if cfg.schedule in s["schedules"]]
+        pick = picks[0] if picks else {"lr": record.get("suggestion"), "method": record.get("method")}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{path} is not a sweep that lr_find.py wrote; {fix}") from None
     if not pick["lr"]:
         raise UserError(f"{path} holds no usable suggestion for --schedule {cfg.schedule} (the sweep "
                         f"found none); {fix}")
