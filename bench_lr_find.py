@@ -1,15 +1,19 @@
-"""Benchmark lr_find's suggestion: `python bench_lr_find.py [--quick] [--json FILE] [--seeds N] [--epochs N]`.
+"""Benchmark lr_find's suggestions: `python bench_lr_find.py [--quick] [--seeds N] [--part P] [--json F]`.
 
-Two questions, per optimizer (SGD-nesterov and AdamW, the default digits setup):
+Quality: on a task where the learning rate moves val accuracy by several points (synthetic, 100
+classes of 1x8x8 images, 8192 train / 2048 val, resnet_small width 8, 2 epochs = 128 optimizer
+steps), per optimizer (SGD-nesterov, AdamW) and seed, as `python lr_find.py --seed S` then
+`python train.py --seed S --lr auto` would: one lr_find sweep with lr_find.py's defaults and one
+torch-lr-finder range_test with its defaults (100 iterations to end_lr 10, steepest gradient of its
+smoothed curve) on the same model and data, both timed; then onecycle and cosine training at every
+rule's suggestion, at torch-lr-finder's, and at a 7-point grid half a decade apart. Gaps are means
+over seeds, paired by seed, with the standard error of the paired differences.
 
-- quality: onecycle training at our suggestion against a log grid of lrs and against
-  torch-lr-finder's steepest-gradient suggestion, mean final val accuracy over seeds. Each seed
-  runs its own sweeps, as `python lr_find.py --seed S` then `python train.py --seed S --lr auto`.
-- time to a suggestion: our lr_find (CLI defaults) against torch-lr-finder's range_test
-  (end_lr=10, num_iter=100), snapshot and restore included, median of alternating repeats.
+Stability: the default setup (`python lr_find.py`: digits, resnet_small), same seeds, sweeps of 50
+and 100 steps: how far the default suggestions move with the seed and with the sweep length.
+A full run takes about 14 minutes on one CPU core.
 
-torch-lr-finder is only the yardstick, never a dependency: install it outside the project
-(`pip install --target /tmp/tlf --no-deps torch-lr-finder`) and run with PYTHONPATH=/tmp/tlf.
+torch-lr-finder is only the yardstick, never a dependency: `pip install --no-deps torch-lr-finder`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import argparse
 import contextlib
 import functools
 import io
-import itertools
 import json
 import math
 import os
@@ -36,90 +39,64 @@ import runtime
 from bench import sync
 from configs import Config, UserError, exit_with_error, parse_config
 from data import build_loaders
-from lr_find import lr_find
+from lr_find import DEFAULT_RULES, METHODS, lr_find
 from models import build_model, build_optimizer
 
+TASK = ["--dataset", "synthetic", "--num-classes", "100", "--channels", "1", "--image-size", "8",
+        "--synthetic-size", "8192", "--width", "8", "--epochs", "2"]
 OPTIMIZERS = ("sgd", "adamw")
-# Seven points half a decade apart around each optimizer's plausible range (onecycle peak lr).
-GRIDS = {
-    "sgd": [0.00316, 0.01, 0.0316, 0.1, 0.316, 1.0, 3.16],
-    "adamw": [1e-4, 3.16e-4, 1e-3, 3.16e-3, 1e-2, 3.16e-2, 1e-1],
-}
-TLF_RANGE_TEST = {"end_lr": 10, "num_iter": 100}  # as the task states it; the rest are its defaults
+SCHEDULES = {"onecycle": "peak", "cosine": "base"}  # cosine stands for the schedules that start at their rate
+GRIDS = {"sgd": [0.01, 0.0316, 0.1, 0.316, 1.0, 3.16, 10.0],
+         "adamw": [0.001, 0.00316, 0.01, 0.0316, 0.1, 0.316, 1.0]}
+TLF_RANGE_TEST = {"end_lr": 10, "num_iter": 100}  # its defaults; start_lr: the optimizer's lr
 TLF_SKIP = (10, 5)  # skip_start, skip_end of torch-lr-finder's plot(suggest_lr=True)
-TARGETS = {"gap_to_best_grid_pp": "<= 0.3", "ours_minus_tlf_pp": ">= 0", "time_ratio": "<= 0.6"}
+TARGETS = {"default_gap_pp": ">= -0.15", "default_minus_tlf_pp": ">= 0", "time_ratio": "<= 0.6",
+           "stability_ratio": "< 1.5"}
 MISSING_TLF = ("bench_lr_find.py: torch-lr-finder is not importable (needed for the comparison); "
-               "run `pip install --target /tmp/tlf --no-deps torch-lr-finder` and "
-               "`PYTHONPATH=/tmp/tlf python bench_lr_find.py`")
+               "run `pip install --no-deps torch-lr-finder`")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 1 seed, 2 epochs, 3-point grid, 2 timing repeats")
-    parser.add_argument("--json", default="runs/bench_lr_find.json", help="where to write the results")
-    parser.add_argument("--seeds", type=int, default=0, help="training seeds (default 3, quick 1)")
-    parser.add_argument("--epochs", type=int, default=0, help="epochs per training (default 10, quick 2)")
-    parser.add_argument("--repeats", type=int, default=0, help="timing repeats (default 5, quick 2)")
-    parser.add_argument("--part", choices=("all", "quality", "timing"), default="all",
-                        help="run only the quality or only the timing part")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 seed, 1 epoch, 3-point grid")
+    parser.add_argument("--seeds", type=int, default=0, help="seeds per optimizer (default 8, quick 1)")
+    parser.add_argument("--part", choices=("all", "quality", "stability"), default="all")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (default: 1 on CPU, where a shared core makes 2 threads noisy)")
+    parser.add_argument("--json", default="runs/bench_lr_find.json", help="where to write the results")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     args = parser.parse_args(argv)
-    if min(args.seeds, args.epochs, args.repeats, args.threads) < 0:
-        parser.error("--seeds, --epochs, --repeats and --threads must be >= 0")
-    args.seeds = args.seeds or (1 if args.quick else 3)
-    args.epochs = args.epochs or (2 if args.quick else 10)
-    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.seeds = args.seeds or (1 if args.quick else 8)
     args.optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    unknown = [o for o in args.optimizers if o not in OPTIMIZERS]
-    if unknown or not args.optimizers:
-        parser.error(f"--optimizers takes a subset of {','.join(OPTIMIZERS)}")
+    if args.seeds < 1 or not args.optimizers or set(args.optimizers) - set(OPTIMIZERS):
+        parser.error(f"--seeds must be >= 1 and --optimizers a subset of {','.join(OPTIMIZERS)}")
     return args
 
 
-def import_tlf():
-    """torch_lr_finder, or exit 2 with one line saying how to get it."""
-    try:
-        import torch_lr_finder
-    except ImportError:
-        print(MISSING_TLF, file=sys.stderr)
-        raise SystemExit(2) from None
-    return torch_lr_finder
-
-
-def make_config(optimizer: str, seed: int, device: str, *extra: str) -> Config:
-    return parse_config(["--optimizer", optimizer, "--seed", str(seed), "--device", device, *extra])
-
-
-def setup(cfg: Config, device: torch.device, lr: float):
-    """Train batches, model, optimizer and AMP built as lr_find.py's main() builds them."""
+def setup(cfg: Config, device: torch.device):
+    """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
     batches, _, info = build_loaders(cfg, device)
     model = build_model(cfg, info.channels, info.num_classes, device)
-    optimizer = build_optimizer(model, cfg, lr)
-    amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
-    stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
-    loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing)
-    return model, optimizer, loss_fn, stream, amp_dtype, scaler
+    optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
+    stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))
+    return model, optimizer, functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing), stream
 
 
-def ours(cfg: Config, device: torch.device) -> dict:
-    """One lr_find call with the CLI's settings; seconds from the call to the suggestion."""
-    model, optimizer, loss_fn, stream, amp_dtype, scaler = setup(cfg, device, cfg.find_start_lr)
+def ours(cfg: Config, device: torch.device) -> tuple[dict, float]:
+    """Every rule's pick from one sweep with lr_find.py's settings, and seconds to the suggestion."""
+    model, optimizer, loss_fn, stream = setup(cfg, device)
     sync(device)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = lr_find(model, optimizer, loss_fn, stream, start_lr=cfg.find_start_lr,
-                         end_lr=cfg.find_end_lr, num_iter=cfg.find_iters, accum_steps=cfg.accum_steps,
-                         autocast_dtype=amp_dtype, scaler=scaler, device=device, method=cfg.find_method)
-    sync(device)
-    seconds = time.perf_counter() - start
-    return {"suggestion": result.suggestion, "seconds": seconds, "steps": len(result.lrs),
-            "stop_reason": result.stop_reason}
+                         end_lr=cfg.find_end_lr, num_iter=cfg.find_iters, device=device)
+        sync(device)
+        seconds = time.perf_counter() - start
+        picks = {rule: result.suggest(rule) for rule in METHODS}
+    picks.update({f"default:{family}": lr for family, (lr, _) in result.suggestions.items()})
+    return {"picks": picks, "steps": len(result.lrs), "stop_reason": result.stop_reason,
+            "kind": result.optimizer_kind}, seconds
 
 
 def tlf_suggestion(history: dict) -> float | None:
@@ -134,182 +111,191 @@ def tlf_suggestion(history: dict) -> float | None:
     return float(lrs[int(np.gradient(np.array(losses)).argmin())])
 
 
-def theirs(cfg: Config, device: torch.device, tlf) -> dict:
-    """torch-lr-finder on the same model, optimizer (built at find_start_lr) and batch stream.
-
-    Timed from LRFinder() (which snapshots model and optimizer) through range_test, the
-    suggestion and reset() (the restore).
-    """
-    model, optimizer, loss_fn, stream, amp_dtype, _ = setup(cfg, device, cfg.find_start_lr)
-    if amp_dtype is not None:
-        raise UserError("bench_lr_find.py compares without AMP; pass a CPU device or --amp off")
-    batches = tlf.TrainDataLoaderIter(stream)
+def theirs(cfg: Config, device: torch.device, tlf) -> tuple[dict, float]:
+    """torch-lr-finder on the same model, optimizer and batches; timed from LRFinder() (which
+    snapshots model and optimizer) through range_test, the suggestion and reset() (the restore)."""
+    model, optimizer, loss_fn, stream = setup(cfg, device)
     sync(device)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         finder = tlf.LRFinder(model, optimizer, loss_fn, device=device)
-        finder.range_test(batches, **TLF_RANGE_TEST)
+        finder.range_test(tlf.TrainDataLoaderIter(stream), **TLF_RANGE_TEST)
         suggestion = tlf_suggestion(finder.history)
         finder.reset()
     sync(device)
-    seconds = time.perf_counter() - start
-    return {"suggestion": suggestion, "seconds": seconds, "steps": len(finder.history["lr"]),
-            "stop_reason": "completed" if len(finder.history["lr"]) == TLF_RANGE_TEST["num_iter"]
-            else "diverged"}
+    return {"picks": {"torch-lr-finder": suggestion}, "steps": len(finder.history["lr"])}, \
+        time.perf_counter() - start
 
 
-def train_acc(optimizer: str, seed: int, lr: float, args: argparse.Namespace, tmp: str) -> dict:
-    """train.train with onecycle at peak `lr`, silenced."""
+def train_acc(flags: list[str], schedule: str, lr: float, tmp: str) -> float:
+    """Final val accuracy of train.train at this lr (a diverged run counts as 0)."""
     import train
 
-    out_dir = Path(tmp) / f"{optimizer}-{seed}-{lr:.6g}"
-    cfg = make_config(optimizer, seed, args.device, "--schedule", "onecycle", "--lr", repr(lr),
-                      "--epochs", str(args.epochs), "--out-dir", str(out_dir))
+    cfg = parse_config([*flags, "--schedule", schedule, "--lr", repr(lr), "--out-dir", tmp])
     with contextlib.redirect_stdout(io.StringIO()):
-        summary = train.train(cfg)
-    acc, best = float(summary["val_acc"]), float(summary["best_val_acc"])
-    return {"val_acc": acc if math.isfinite(acc) else 0.0, "best_val_acc": best}
+        acc = float(train.train(cfg)["val_acc"])
+    return acc if math.isfinite(acc) else 0.0
 
 
-def summarize(lrs: list[float | None], runs: list[dict]) -> dict:
-    """Mean/min/max/std of final and best val accuracy over seeds (a failed run counts as 0)."""
-    finals = [r["val_acc"] for r in runs]
-    bests = [r["best_val_acc"] for r in runs]
-    good = [lr for lr in lrs if lr]
-    return {
-        "lr": (good[0] if len(set(good)) == 1 else math.exp(statistics.fmean(map(math.log, good))))
-        if good else None,
-        "lrs": lrs, "val_acc": finals, "best_val_acc": bests,
-        "mean": statistics.fmean(finals), "min": min(finals), "max": max(finals),
-        "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-        "best_mean": statistics.fmean(bests),
-    }
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of a - b in percentage points and its standard error, pairing by seed."""
+    diffs = [100 * (x - y) for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return statistics.fmean(diffs), se
 
 
-def measure_quality(optimizer: str, args: argparse.Namespace, device: torch.device, tlf) -> dict:
-    """Per seed: both sweeps, then training at each suggestion and at every grid lr."""
-    grid = GRIDS[optimizer][1::2] if args.quick else GRIDS[optimizer]
-    seeds = list(range(args.seeds))
-    sweeps = {"ours": [], "torch_lr_finder": []}
-    runs: dict[str, list[dict]] = {"ours": [], "torch_lr_finder": [], **{repr(lr): [] for lr in grid}}
-    failed = {"val_acc": 0.0, "best_val_acc": 0.0}
+def measure_quality(opt: str, args: argparse.Namespace, device: torch.device, tlf) -> dict:
+    """Per seed: both sweeps (alternating which runs first), then training at every candidate."""
+    grid = GRIDS[opt][::3] if args.quick else GRIDS[opt]
+    task = [*TASK[:-1], "1"] if args.quick else TASK
+    rows: dict[str, dict] = {}  # (schedule, candidate) -> per-seed lrs and accuracies
+    sweeps: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-lr-find-") as tmp:
-        for seed in seeds:
-            cfg = make_config(optimizer, seed, args.device)
-            sweeps["ours"].append(ours(cfg, device))
-            sweeps["torch_lr_finder"].append(theirs(cfg, device, tlf))
-            for name in ("ours", "torch_lr_finder"):
-                lr = sweeps[name][-1]["suggestion"]
-                runs[name].append(train_acc(optimizer, seed, lr, args, tmp) if lr else failed)
-            for lr in grid:
-                runs[repr(lr)].append(train_acc(optimizer, seed, lr, args, tmp))
-    rows = [summarize([lr] * len(seeds), runs[repr(lr)]) for lr in grid]
-    # Means of equal image counts can differ in the last bit; ties go to every tied lr.
-    best = max(rows, key=lambda r: round(r["mean"], 9))
-    tied = [r["lr"] for r in rows if round(r["mean"], 9) == round(best["mean"], 9)]
-    mine = summarize([s["suggestion"] for s in sweeps["ours"]], runs["ours"])
-    other = summarize([s["suggestion"] for s in sweeps["torch_lr_finder"]], runs["torch_lr_finder"])
-    return {"grid": rows, "ours": mine, "torch_lr_finder": other, "best_grid_lrs": tied,
-            "gap_to_best_grid_pp": 100 * (best["mean"] - mine["mean"]),
-            "ours_minus_tlf_pp": 100 * (mine["mean"] - other["mean"]),
-            "sweeps": sweeps, "seeds": seeds, "epochs": args.epochs}
+        for seed in range(args.seeds):
+            flags = [*task, "--optimizer", opt, "--seed", str(seed), "--device", args.device]
+            cfg = parse_config(flags)
+            if seed % 2 == 0:  # alternate which sweep runs first, so drift hits both alike
+                (mine, my_s), (other, their_s) = ours(cfg, device), theirs(cfg, device, tlf)
+            else:
+                (other, their_s), (mine, my_s) = theirs(cfg, device, tlf), ours(cfg, device)
+            sweeps.append({"seed": seed, "ours_seconds": my_s, "theirs_seconds": their_s,
+                           "ours_steps": mine["steps"], "theirs_steps": other["steps"],
+                           "stop_reason": mine["stop_reason"], "kind": mine["kind"],
+                           "picks": {**mine["picks"], **other["picks"]}})
+            for schedule in SCHEDULES:
+                candidates = {f"grid {lr:g}": lr for lr in grid}
+                candidates.update({rule: mine["picks"][rule] for rule in METHODS})
+                candidates["torch-lr-finder"] = other["picks"]["torch-lr-finder"]
+                done: dict[float, float] = {}
+                for name, lr in candidates.items():
+                    if lr is not None and lr not in done:
+                        done[lr] = train_acc(flags, schedule, lr, tmp)
+                    row = rows.setdefault(f"{schedule}|{name}", {"lrs": [], "acc": []})
+                    row["lrs"].append(lr)
+                    row["acc"].append(done[lr] if lr is not None else 0.0)
+            print(f"  {opt} seed {seed} done", flush=True)
+    report: dict = {"sweeps": sweeps, "rows": rows, "grid": grid}
+    for schedule, family in SCHEDULES.items():
+        grid_rows = {lr: rows[f"{schedule}|grid {lr:g}"]["acc"] for lr in grid}
+        best_lr = max(grid, key=lambda lr: statistics.fmean(grid_rows[lr]))
+        default = DEFAULT_RULES[sweeps[0]["kind"]][family]
+        table = {}
+        for name in [*(f"grid {lr:g}" for lr in grid), *METHODS, "torch-lr-finder"]:
+            row = rows[f"{schedule}|{name}"]
+            good = [lr for lr in row["lrs"] if lr]
+            table[name] = {"lr": math.exp(statistics.fmean(map(math.log, good))) if good else None,
+                           "lr_min": min(good, default=None), "lr_max": max(good, default=None),
+                           "acc": 100 * statistics.fmean(row["acc"]),
+                           "gap": paired(row["acc"], grid_rows[best_lr]),
+                           "vs_tlf": paired(row["acc"], rows[f"{schedule}|torch-lr-finder"]["acc"])}
+        report[schedule] = {"best_grid_lr": best_lr, "default_rule": default, "table": table}
+    report["time_ratio"] = (statistics.median(s["ours_seconds"] for s in sweeps)
+                            / statistics.median(s["theirs_seconds"] for s in sweeps))
+    return report
 
 
-def measure_time(optimizer: str, args: argparse.Namespace, device: torch.device, tlf) -> dict:
-    """Alternating repeats (ours first on even repeats) after one untimed warm-up of each."""
-    cfg = make_config(optimizer, 0, args.device)
-    ours(cfg, device)
-    theirs(cfg, device, tlf)
-    mine, other = [], []
-    load_before = os.getloadavg()[0]
-    for r in range(args.repeats):
-        order = (mine, other) if r % 2 == 0 else (other, mine)
-        for out in order:
-            out.append(ours(cfg, device) if out is mine else theirs(cfg, device, tlf))
-    ours_s, theirs_s = [m["seconds"] for m in mine], [o["seconds"] for o in other]
-    return {
-        "time_ratio": statistics.median(ours_s) / statistics.median(theirs_s),
-        "pair_ratios": [a / b for a, b in zip(ours_s, theirs_s, strict=True)],
-        "ours_seconds": ours_s, "theirs_seconds": theirs_s,
-        "ours_steps": [m["steps"] for m in mine], "theirs_steps": [o["steps"] for o in other],
-        "ours_suggestion": mine[0]["suggestion"], "theirs_suggestion": other[0]["suggestion"],
-        "load_1min": [load_before, os.getloadavg()[0]], "repeats": args.repeats,
-    }
-
-
-def fmt_lr(value: float | None) -> str:
-    return "none" if value is None else f"{value:.3g}"
-
-
-def quality_table(optimizer: str, q: dict) -> str:
-    def row(name: str, s: dict) -> str:
-        lrs = [lr for lr in s["lrs"] if lr]
-        span = f" ({fmt_lr(min(lrs))}-{fmt_lr(max(lrs))})" if len(set(lrs)) > 1 else ""
-        return (f"{name:<16}{fmt_lr(s['lr']) + span:>22}{100 * s['mean']:>9.2f}{100 * s['min']:>8.2f}"
-                f"{100 * s['max']:>8.2f}{100 * s['std']:>7.2f}{100 * s['best_mean']:>9.2f}")
-
-    lines = [f"{optimizer}: onecycle, {q['epochs']} epochs, seeds {q['seeds']}, val acc % (360 images)",
-             f"{'':<16}{'lr':>22}{'mean':>9}{'min':>8}{'max':>8}{'std':>7}{'best ep':>9}"]
-    for s in q["grid"]:
-        mark = "  <- best grid" if s["lr"] in q["best_grid_lrs"] else ""
-        lines.append(row("grid", s) + mark)
-    lines.append(row("ours", q["ours"]))
-    lines.append(row("torch-lr-finder", q["torch_lr_finder"]))
-    lines.append(f"gap to best grid {q['gap_to_best_grid_pp']:+.2f} pp (target "
-                 f"{TARGETS['gap_to_best_grid_pp']}); ours - torch-lr-finder "
-                 f"{q['ours_minus_tlf_pp']:+.2f} pp (target {TARGETS['ours_minus_tlf_pp']})")
+def quality_table(opt: str, q: dict) -> str:
+    lines = []
+    for schedule in SCHEDULES:
+        s = q[schedule]
+        lines += [f"\n{opt}, {schedule}: val accuracy %, mean of {len(q['sweeps'])} seeds; gap to the best "
+                  f"grid lr ({s['best_grid_lr']:g}) and to torch-lr-finder, paired by seed, +- SE",
+                  "| candidate | lr (geo. mean, range) | acc % | gap to best grid, pp "
+                  "| vs torch-lr-finder, pp |",
+                  "|---|---|---|---|---|"]
+        for name, row in s["table"].items():
+            lr = "none" if row["lr"] is None else f"{row['lr']:.3g}"
+            if row["lr"] is not None and row["lr_min"] != row["lr_max"]:
+                lr += f" ({row['lr_min']:.3g}-{row['lr_max']:.3g})"
+            mark = " (default)" if name == s["default_rule"] else ""
+            lines.append(f"| {name}{mark} | {lr} | {row['acc']:.2f} | {row['gap'][0]:+.2f} +- "
+                         f"{row['gap'][1]:.2f} | {row['vs_tlf'][0]:+.2f} +- {row['vs_tlf'][1]:.2f} |")
+    sweeps = q["sweeps"]
+    lines.append(f"\n{opt}: seconds to a suggestion, median over seeds: ours "
+                 f"{statistics.median(s['ours_seconds'] for s in sweeps):.2f} "
+                 f"({statistics.fmean(s['ours_steps'] for s in sweeps):.0f} steps), torch-lr-finder "
+                 f"{statistics.median(s['theirs_seconds'] for s in sweeps):.2f} "
+                 f"({statistics.fmean(s['theirs_steps'] for s in sweeps):.0f} steps): ratio "
+                 f"{q['time_ratio']:.2f} (target {TARGETS['time_ratio']})")
     return "\n".join(lines)
 
 
-def time_table(optimizer: str, t: dict) -> str:
-    def cells(values: list[float]) -> str:
-        return f"{statistics.median(values):>9.2f}{min(values):>8.2f}{max(values):>8.2f}"
+def measure_stability(opt: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """The default suggestions of `python lr_find.py [--find-iters 100] --seed S` (digits)."""
+    out: dict = {}
+    for iters in (50, 100):
+        for seed in range(args.seeds):
+            cfg = parse_config(["--optimizer", opt, "--seed", str(seed), "--find-iters", str(iters),
+                                "--device", args.device])
+            picks = ours(cfg, device)[0]["picks"]
+            for family in ("peak", "base"):
+                out.setdefault(family, {}).setdefault(iters, []).append(picks[f"default:{family}"])
+    report = {}
+    for family, by_length in out.items():
+        a, b = by_length[50], by_length[100]
+        report[family] = {"50": a, "100": b,
+                          "seed_spread_50": max(a) / min(a) if all(a) else None,
+                          "seed_spread_100": max(b) / min(b) if all(b) else None,
+                          "length_ratio_max": max(max(x, y) / min(x, y) for x, y in zip(a, b, strict=True))
+                          if all(a + b) else None}
+    return report
 
-    return "\n".join([
-        f"{optimizer}: seconds to a suggestion, {t['repeats']} alternating repeats, "
-        f"1-min load {t['load_1min'][0]:.2f} -> {t['load_1min'][1]:.2f}",
-        f"{'':<34}{'median':>9}{'min':>8}{'max':>8}",
-        f"{'ours (num_iter 50, early stop)':<34}{cells(t['ours_seconds'])}  steps {t['ours_steps']}",
-        f"{'torch-lr-finder (num_iter 100)':<34}{cells(t['theirs_seconds'])}  steps {t['theirs_steps']}",
-        f"time ratio ours/theirs {t['time_ratio']:.3f} (ratio of medians; per pair "
-        f"{min(t['pair_ratios']):.3f}-{max(t['pair_ratios']):.3f}), target {TARGETS['time_ratio']}",
-    ])
+
+def stability_table(opt: str, s: dict) -> str:
+    def fmt(v: float | None) -> str:
+        return "none" if v is None else f"{v:.2f}"
+
+    lines = [f"\n{opt}, default setup (digits): default suggestions over seeds; spread = max/min",
+             "| suggestion | 50 steps | 100 steps | seed spread 50 / 100 | 50 vs 100, worst seed |",
+             "|---|---|---|---|---|"]
+    for family, r in s.items():
+        cells = [", ".join("none" if v is None else f"{v:.3g}" for v in r[k]) for k in ("50", "100")]
+        lines.append(f"| {family} | {cells[0]} | {cells[1]} | {fmt(r['seed_spread_50'])} / "
+                     f"{fmt(r['seed_spread_100'])} | {fmt(r['length_ratio_max'])} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tlf = import_tlf()
-    started = time.perf_counter()
+    try:
+        import torch_lr_finder as tlf
+    except ImportError:
+        exit_with_error(MISSING_TLF)
     try:
         device = runtime.pick_device(args.device)
     except UserError as err:
         exit_with_error(str(err))
-    threads = args.threads or (1 if device.type == "cpu" else torch.get_num_threads())
-    torch.set_num_threads(threads)
-    result: dict = {"targets": TARGETS, "device": str(device), "threads": threads,
-                    "torch_version": torch.__version__, "quick": args.quick,
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a shared core makes more threads noisy; seeds run one after another
+    started = time.perf_counter()
+    result: dict = {"targets": TARGETS, "task": TASK, "device": str(device), "quick": args.quick,
+                    "torch_version": torch.__version__, "seeds": args.seeds,
                     "torch_lr_finder_version": getattr(tlf, "__version__", "unknown"),
-                    "load_1min_start": os.getloadavg()[0], "quality": {}, "timing": {}}
+                    "load_1min_start": os.getloadavg()[0], "quality": {}, "stability": {}}
     try:
         for opt in args.optimizers:
             if args.part in ("all", "quality"):
                 result["quality"][opt] = measure_quality(opt, args, device, tlf)
-                print(quality_table(opt, result["quality"][opt]), end="\n\n", flush=True)
-            if args.part in ("all", "timing"):
-                result["timing"][opt] = measure_time(opt, args, device, tlf)
-                print(time_table(opt, result["timing"][opt]), end="\n\n", flush=True)
+                print(quality_table(opt, result["quality"][opt]), flush=True)
+            if args.part in ("all", "stability"):
+                result["stability"][opt] = measure_stability(opt, args, device)
+                print(stability_table(opt, result["stability"][opt]), flush=True)
     except UserError as err:
         exit_with_error(str(err))
-    result["headline"] = {
-        **{f"gap_to_best_grid_pp.{o}": q["gap_to_best_grid_pp"] for o, q in result["quality"].items()},
-        **{f"ours_minus_tlf_pp.{o}": q["ours_minus_tlf_pp"] for o, q in result["quality"].items()},
-        **{f"time_ratio.{o}": t["time_ratio"] for o, t in result["timing"].items()},
-    }
+    headline = {}
+    for opt, q in result["quality"].items():
+        row = q["onecycle"]["table"][q["onecycle"]["default_rule"]]
+        headline[f"{opt}: default onecycle gap to best grid, pp"] = row["gap"]
+        headline[f"{opt}: default onecycle minus torch-lr-finder, pp"] = row["vs_tlf"]
+        headline[f"{opt}: time ratio ours/torch-lr-finder"] = (q["time_ratio"], math.nan)
+    result["headline"] = {k: list(v) for k, v in headline.items()}
     result["seconds"] = time.perf_counter() - started
+    result["load_1min_end"] = os.getloadavg()[0]
+    print("\nheadline (value, SE): " + "; ".join(f"{k} {v[0]:+.2f} ({v[1]:.2f})"
+                                                 for k, v in headline.items()))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, allow_nan=False))
-    print("headline: " + ", ".join(f"{k} {v:+.3f}" for k, v in result["headline"].items()))
+    path.write_text(json.dumps(result, indent=2, allow_nan=True))
     print(f"wrote {path} in {result['seconds']:.0f} s")
     return 0
 

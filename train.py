@@ -70,7 +70,8 @@ def find_lr(cfg: Config, model: torch.nn.Module, batches, amp_dtype, scaler, dev
                 result = lr_find.lr_find(
                     model, optimizer, loss_fn, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
                     num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * world_size,
-                    autocast_dtype=amp_dtype, scaler=scaler, device=device, method=cfg.find_method)
+                    autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
+                    method=None if cfg.find_method == "auto" else cfg.find_method)
             with runtime.reporting_write_errors(cfg.out_dir):
                 wrote = lr_find.save_sweep(result, cfg.to_dict(), cfg.out_dir)
             found = result.suggestion
@@ -251,7 +252,7 @@ def train(cfg: Config, given: dict | None = None) -> dict:
     is_main = rank == 0
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
-    lr = resolve_lr(cfg)
+    lr = resolve_lr(cfg, say)
     problem = runtime.from_rank0(problem_of(runtime.check_writable_dir, out_dir) if is_main else None)
     if problem:  # found before any data is loaded or any step is trained
         raise UserError(problem)

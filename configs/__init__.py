@@ -24,7 +24,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefol
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("steepest", "min/10", "valley")  # = lr_find.METHODS (a test checks)
+FIND_METHODS = ("auto", "minimum", "min/3", "min/10", "valley", "steepest")  # lr_find.METHODS + auto
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 
@@ -111,12 +111,13 @@ class Config:
     final_div_factor: float = setting(1e4, "onecycle: ends at lr / div_factor / final_div_factor",
                                       limits="> 0")
     # lr_find.py (and --lr find)
-    find_start_lr: float = setting(1e-7, "range test: the first lr", limits="> 0", may_change=True)
+    find_start_lr: float = setting(1e-5, "range test: the first lr", limits="> 0", may_change=True)
     find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
                                  limits="> 0", may_change=True)
     find_iters: int = setting(50, "range test: optimizer steps (a suggestion needs 10 or more)",
                               limits=">= 10", may_change=True)
-    find_method: str = setting("steepest", "range test: how the suggestion is read off the curve",
+    find_method: str = setting("auto", "range test: how the suggestion is read off the curve; auto: "
+                               "the rule lr_find.DEFAULT_RULES gives --schedule and the optimizer",
                                choices=FIND_METHODS, may_change=True)
     # runtime
     device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps", may_change=True)
@@ -354,9 +355,10 @@ def lr_setup_differences(measured: dict, cfg: Config) -> list[str]:
             and (sgd or f.name not in ("momentum", "nesterov"))]
 
 
-def resolve_lr(cfg: Config) -> float | None:
-    """--lr auto takes the suggestion lr_find.py saved in out_dir, if it was measured on this setup.
-    None for --lr find, which sweeps once the model is built."""
+def resolve_lr(cfg: Config, say=print) -> float | None:
+    """--lr auto takes the suggestion lr_find.py saved in out_dir for this schedule (onecycle's peak,
+    the others' starting rate), if it was measured on this setup. None for --lr find, which sweeps
+    once the model is built."""
     if cfg.lr == "find":
         return None
     if cfg.lr != "auto":
@@ -373,11 +375,11 @@ def resolve_lr(cfg: Config) -> float | None:
         raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
                         f"{others}") from None
     differences = lr_setup_differences(measured_on, cfg)
-    suggestion = record.get("suggestion")
+    suggestion, rule = record.get("suggestion"), record.get("method")
     per_schedule = record.get("suggestions")
     if isinstance(per_schedule, dict):  # one per schedule family: take the one serving this schedule
-        serving = [s["lr"] for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
-        suggestion = serving[0] if serving else None
+        serving = [s for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
+        suggestion, rule = (serving[0].get("lr"), serving[0].get("method")) if serving else (None, None)
         if not serving:
             differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
     if differences:
@@ -386,6 +388,9 @@ def resolve_lr(cfg: Config) -> float | None:
     if not suggestion:
         raise UserError(f"{path} holds no usable suggestion (the sweep found none); run `{refind}` "
                         f"with a wider --find-start-lr/--find-end-lr, {others}")
+    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
+    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} "
+        f"({what}, rule {rule})")
     return float(suggestion)
 
 

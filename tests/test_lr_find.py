@@ -372,7 +372,7 @@ def synthetic_curve(lr_star: float, k: float = 2.0, noise: float = 0.0, seed: in
 def test_lr_find_suggests_the_steepest_point(lr_star, noise):
     model, optimizer, loader = probe_setup()
     f = synthetic_curve(lr_star, noise=noise, seed=int(-math.log10(lr_star)))
-    result = lf.lr_find(model, optimizer, scripted_loss(f, optimizer), loader)
+    result = lf.lr_find(model, optimizer, scripted_loss(f, optimizer), loader, method="steepest")
     assert result.method == "steepest"
     assert lr_star / 2 <= result.suggestion <= lr_star * 2
     assert lr_star <= result.suggest("valley") <= 4 * lr_star
@@ -383,12 +383,12 @@ def test_lr_find_suggests_the_steepest_point(lr_star, noise):
 def test_suggest_lr_on_a_clean_curve():
     lrs = [10 ** (-7 + 8 * i / 99) for i in range(100)]
     losses = [synthetic_curve(1e-2, k=1.5)(lr) for lr in lrs]
-    assert 0.5e-2 <= lf.suggest_lr(lrs, losses) <= 2e-2
+    assert 0.5e-2 <= lf.suggest_lr(lrs, losses, "steepest") <= 2e-2
     assert 1e-2 <= lf.suggest_lr(lrs, losses, "valley") <= 4e-2
     spiky = list(losses)
     spiky[30] *= 3
     spiky[45] *= 3
-    assert 0.5e-2 <= lf.suggest_lr(lrs, spiky) <= 2e-2, "a lone spike is not a descent"
+    assert 0.5e-2 <= lf.suggest_lr(lrs, spiky, "steepest") <= 2e-2, "a lone spike is not a descent"
     with pytest.warns(UserWarning, match="usable"):
         assert lf.suggest_lr(lrs[:5], losses[:5]) is None
     with pytest.warns(UserWarning, match="never decreases"):
@@ -492,6 +492,7 @@ BAD_INPUTS = [
     ({"smooth": -0.1}, "smooth"),
     ({"diverge": 1.0}, "diverge"),
     ({"method": "fastest"}, "method"),
+    ({"schedule": "linear"}, "schedule"),
     ({"min_iter_before_stop": -1}, "min_iter_before_stop"),
     ({"loader": []}, "loader"),
     ({"model": "frozen"}, "model"),
@@ -560,3 +561,83 @@ def test_module_works_when_copied_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr
     words = proc.stdout.split()
     assert words[0] == "suggestion" and float(words[1]) > 0
+
+
+def curve_lrs(n: int) -> list[float]:
+    return [10 ** (-5 + 6 * i / (n - 1)) for i in range(n)]
+
+
+def bowl(lr: float, lr_star: float = 1e-2) -> float:
+    """Flat, a one-decade fall, a bottom 1.07 decades above lr_star, then a steep rise."""
+    return synthetic_curve(lr_star)(lr)
+
+
+def test_minimum_finds_the_bottom_between_points_whatever_the_density():
+    bottom = 1e-2 * 10**1.07
+    picks = {n: lf.suggest_lr(curve_lrs(n), [bowl(lr) for lr in curve_lrs(n)], "minimum")
+             for n in (40, 50, 100)}
+    assert all(bottom / 1.4 <= v <= bottom * 1.4 for v in picks.values()), picks
+    assert max(picks.values()) / min(picks.values()) < 1.15, "the parabola, not the grid, places it"
+    lrs = curve_lrs(50)
+    losses = [bowl(lr) for lr in lrs]
+    minimum = lf.suggest_lr(lrs, losses, "minimum")
+    assert lf.suggest_lr(lrs, losses, "min/10") == pytest.approx(minimum / 10)
+    assert lf.suggest_lr(lrs, losses, "min/3") == pytest.approx(minimum / 3)
+    with pytest.warns(UserWarning, match="still falling"):
+        assert lf.suggest_lr(lrs[:30], losses[:30], "minimum") is None
+    exploded = losses[:30] + [math.inf]
+    assert lf.suggest_lr(lrs[:31], exploded, "minimum") == lrs[29], "a blow-up ends the fall"
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    lambda params: torch.optim.AdamW(params, lr=1e-3),
+], ids=["sgd", "adamw"])
+def test_each_schedule_gets_its_own_rule(make_optimizer):
+    model = nn.Linear(1, 1)
+    optimizer = make_optimizer(model.parameters())
+    loader = [(torch.ones(2, 1), torch.zeros(2, 1))]
+    loss_fn = scripted_loss(bowl, optimizer)
+    kind = "adaptive" if isinstance(optimizer, torch.optim.AdamW) else "sgd"
+    rules = lf.DEFAULT_RULES[kind]
+    result = lf.lr_find(model, optimizer, loss_fn, loader, start_lr=1e-5, end_lr=10.0, diverge=1e9)
+    assert result.optimizer_kind == kind and result.schedule == "onecycle"
+    assert (result.suggestion, result.method) == (result.suggest(rules["peak"]), rules["peak"])
+    for schedule in ("constant", "step", "cosine", "warmup"):
+        assert result.for_schedule(schedule) == result.suggest(rules["base"])
+    assert result.for_schedule("onecycle") == result.suggestion
+    assert rules["peak"] != rules["base"] and result.for_schedule("cosine") != result.suggestion
+    other = lf.lr_find(model, optimizer, loss_fn, loader, start_lr=1e-5, end_lr=10.0, diverge=1e9,
+                       schedule="cosine", method="steepest")
+    assert (other.suggestion, other.method) == (result.suggest("steepest"), "steepest")
+    assert other.suggestions["peak"] == result.suggestions["peak"]
+
+
+def test_raw_blow_up_stops_the_sweep_as_diverged():
+    """The moving average lags: here it never reaches 4x its best, but the raw losses explode."""
+    falling = [2.3 - 0.05 * i for i in range(26)]
+    model, optimizer, loader = probe_setup()
+    blown = lf.lr_find(model, optimizer, scripted_loss(falling + [1.5, 8.0, 9.0, 1.2] + [1.1] * 10),
+                       loader, num_iter=40)
+    assert blown.stop_reason == "diverged" and blown.losses[-2:] == [8.0, 9.0]
+    assert max(blown.smoothed) < 4 * min(blown.smoothed), "the old rule alone would not have stopped"
+    spike = lf.lr_find(model, optimizer, scripted_loss(falling + [1.0, 9.0, 1.0] + [1.0] * 11),
+                       loader, num_iter=40)
+    assert spike.stop_reason == "completed", "one spike is noise, not a blow-up"
+
+
+def test_plot_draws_the_curve_the_rules_read_and_marks_every_schedule():
+    pytest.importorskip("matplotlib")
+    model, optimizer, loader = probe_setup()
+    result = lf.lr_find(model, optimizer, scripted_loss(bowl, optimizer), loader, start_lr=1e-5,
+                        diverge=1e9, schedule="cosine")
+    ax = lf.plot_lr_find(result).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    curve = lf.suggestion_curve(result.lrs, result.losses)
+    drawn = lines["smoothed: what the rules read"]
+    assert list(drawn.get_xdata()) == curve.lrs and list(drawn.get_ydata()) == curve.loss
+    marks = {label: line for label, line in lines.items() if label.startswith(("onecycle", "constant"))}
+    assert len(marks) == 2
+    chosen = [line for line in marks.values() if line.get_color() == "tab:red"]
+    assert len(chosen) == 1 and chosen[0].get_xdata()[0] == result.for_schedule("cosine")
+    assert any(line.get_xdata()[0] == result.for_schedule("onecycle") for line in marks.values())

@@ -1,12 +1,28 @@
 """`python lr_find.py` end to end, and `train.py --lr auto` picking up its suggestion."""
 
+import io
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import read_scalars
+from conftest import ROOT, read_scalars
 
+import lr_find
+import train
+from configs import parse_config
 from lr_find import _next_command
+
+
+def tensorboard_image(log_dir, tag: str):
+    from matplotlib.image import imread
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return imread(io.BytesIO(acc.Images(tag)[-1].encoded_image_string), format="png")
 
 
 def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
@@ -14,13 +30,21 @@ def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
     assert result.returncode == 0, result.stderr
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert {"lrs", "losses", "smoothed", "suggestion", "stop_reason", "config"} <= record.keys()
-    assert record["lrs"][0] == record["config"]["find_start_lr"] == 1e-7
+    assert record["lrs"][0] == record["config"]["find_start_lr"] == 1e-5
     suggestion = record["suggestion"]
     assert suggestion is not None and record["lrs"][0] < suggestion < record["lrs"][-1]
+    peak, base = record["suggestions"]["peak"], record["suggestions"]["base"]
+    assert record["schedule"] == "onecycle" and peak["schedules"] == ["onecycle"]
+    assert (suggestion, record["method"]) == (peak["lr"], peak["method"]) == (peak["lr"], "minimum")
+    assert base["method"] == "min/3" and base["lr"] == pytest.approx(peak["lr"] / 3)
+    assert set(base["schedules"]) == {"constant", "step", "cosine", "warmup"}
     assert (tmp_path / "lr_find.png").stat().st_size > 1000
-    scalars = read_scalars(tmp_path)
-    assert {"lr_find/loss", "lr_find/smoothed", "lr_find/lr"} <= scalars.keys()
-    assert [v for _, v in scalars["lr_find/lr"]] == pytest.approx(record["lrs"], rel=1e-6)
+    from matplotlib.image import imread
+
+    png = imread(tmp_path / "lr_find.png")
+    tensorboard = tensorboard_image(tmp_path / "lr_find", "lr_find")
+    assert (tensorboard == png[..., :3]).all(), "PNG and TensorBoard agree"
+    assert not [t for t in read_scalars(tmp_path) if t.startswith("lr_find")], "no step-index scalars"
     assert f"suggested lr: {suggestion:.3g}" in result.stdout
     assert f"python train.py --out-dir {tmp_path} --lr auto" in result.stdout
 
@@ -29,6 +53,95 @@ def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert math.isclose(summary["lr"], suggestion)
     assert f"lr {suggestion:.4g}" in trained.stdout
+    assert "for --schedule onecycle (its peak, rule minimum)" in trained.stdout
+
+
+def write_sweep(out_dir, optimizer: str = "sgd") -> dict:
+    """A saved sweep as lr_find.py writes it, over a curve with a clear fall and bottom."""
+    lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
+    losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
+    config = parse_config(["--optimizer", optimizer, "--out-dir", str(out_dir)]).to_dict()
+    record = {"lrs": lrs, "losses": losses, "smoothed": losses, "stop_reason": "completed",
+              "config": config}
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "lr_find.json").write_text(json.dumps(record))
+    return record
+
+
+def test_from_json_rederives_for_another_schedule_and_lr_auto_follows(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    saved = write_sweep(tmp_path)
+    lr_find.main(["--from-json", str(tmp_path), "--schedule", "cosine"])
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    assert record["lrs"] == saved["lrs"] and record["schedule"] == record["config"]["schedule"] == "cosine"
+    base, peak = record["suggestions"]["base"], record["suggestions"]["peak"]
+    assert (record["suggestion"], record["method"]) == (base["lr"], "min/3")
+    assert "for --schedule cosine" in capsys.readouterr().out
+    assert (tensorboard_image(tmp_path / "lr_find", "lr_find") == __import__("matplotlib.image").image.imread(
+        tmp_path / "lr_find.png")[..., :3]).all()
+
+    lr_find.main([f"--from-json={tmp_path}", "--find-method", "min/10"])  # keeps the saved schedule
+    again = json.loads((tmp_path / "lr_find.json").read_text())
+    assert again["schedule"] == "cosine" and again["method"] == "min/10"
+    assert again["suggestion"] == pytest.approx(peak["lr"] / 10)
+    for schedule, expected in (("cosine", again["suggestion"]), ("onecycle", peak["lr"]),
+                               ("warmup", again["suggestion"])):
+        cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto", "--schedule", schedule,
+                            "--warmup-epochs", "1" if schedule == "warmup" else "0"])
+        said = []
+        assert train.resolve_lr(cfg, said.append) == expected
+        assert f"for --schedule {schedule}" in said[0]
+
+
+def test_adamw_sweep_uses_the_adaptive_rules(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_sweep(tmp_path, "adamw")
+    lr_find.main(["--from-json", str(tmp_path)])
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    assert record["optimizer_kind"] == "adaptive"
+    assert {f: s["method"] for f, s in record["suggestions"].items()} == lr_find.DEFAULT_RULES["adaptive"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--from-json", "{d}/nothing"], "cannot read"),
+    (["--from-json", "{d}", "--width", "8"], "not --width"),
+    (["--from-json", "{d}", "--find-method", "best"], "find_method"),
+    (["--out-dir", "{d}/a_file/sub"], "cannot write to --out-dir"),
+    (["--find-iters", "5", "--out-dir", "{d}/x", "--dataset", "synthetic", "--synthetic-size", "256"],
+     "find_iters"),
+])
+def test_bad_cases_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    write_sweep(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        lr_find.main([a.format(d=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert not (tmp_path / "x" / "lr_find.json").exists()
+
+
+def test_a_failed_write_names_the_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_sweep(tmp_path)
+    (tmp_path / "lr_find.png").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        lr_find.main(["--from-json", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1 and str(tmp_path / "lr_find.png") in err
+
+
+def test_under_torchrun_rank_0_sweeps_once_and_nothing_fails(tmp_path):
+    """A non-zero exit makes torchrun print its own traceback; one sweep is all that is needed."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "lr_find.py", "--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8",
+               "--width", "4", "--find-iters", "12", "--device", "cpu", "--out-dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("rank 0 runs it") == 1 and result.stdout.count("lr_find: ") == 1
+    assert "Traceback" not in result.stderr and "error" not in result.stderr.lower()
+    assert json.loads((tmp_path / "lr_find.json").read_text())["suggestion"]
 
 
 def test_lr_auto_without_a_suggestion_says_run_lr_find_first(tmp_path, script):
@@ -36,12 +149,6 @@ def test_lr_auto_without_a_suggestion_says_run_lr_find_first(tmp_path, script):
     result = script("train.py", "--out-dir", str(tmp_path), "--lr", "auto")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "python lr_find.py" in result.stderr
-
-
-def test_refuses_to_run_under_torchrun(script):
-    result = script("lr_find.py", env={"WORLD_SIZE": "2", "RANK": "1"})
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "one process" in result.stderr
 
 
 def test_bad_flags_exit_2(script):
