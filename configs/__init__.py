@@ -38,6 +38,8 @@ class Config:
     flip: bool = True  # left-right flips, only where they keep the label: cifar10, cifar100, imagefolder
     # model and optimizer
     model: str = "resnet_small"  # or resnet9, or any torchvision classification model name
+    pretrained: bool = False  # torchvision models: start from torchvision's default ImageNet weights
+    init_from: str = ""  # a new run starts from the weights in this best.pt/last.pt or state_dict file
     width: int = 32
     dropout: float = 0.0  # resnet_small/resnet9: dropout before the classifier; 0: none
     optimizer: str = "sgd"
@@ -75,6 +77,7 @@ class Config:
     save_every: int = 0  # optimizer steps between checkpoints (0: at epoch ends only)
     resume: str = ""  # "" off; "auto" (plain --resume): <out_dir>/last.pt; or a path
     allow_more_epochs: bool = False  # resume with a larger --epochs (changes the schedule's length)
+    evaluate: str = ""  # a checkpoint: run the validation split once through it, train nothing
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
