@@ -163,6 +163,8 @@ def evaluate_checkpoint(cfg: Config) -> dict:
     """--evaluate PATH: the validation split once through a saved model. Trains nothing; writes
     eval.json and eval_confusion.png next to the checkpoint (or into an --out-dir given here)."""
     path = Path(cfg.evaluate)
+    if not path.is_file():
+        raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = runtime.load_checkpoint(path)
     defaults = Config()
     if isinstance(ckpt.get("config"), dict):  # ours: built as it was trained, run where asked
@@ -181,7 +183,7 @@ def evaluate_checkpoint(cfg: Config) -> dict:
               "per_class_acc": dict(zip(names, result.per_class_acc, strict=True)),
               "confusion": result.confusion}
     if rank == 0:
-        print(f"{path} on {cfg.dataset}'s {info.val_size} validation images: val acc {result.acc:.2%}  "
+        print(f"{path} on the {info.val_size} {cfg.dataset} validation images: val acc {result.acc:.2%}  "
               f"val loss {result.loss:.4f}")
         for name, acc in report["per_class_acc"].items():
             print(f"  {name:>12}  {'no images' if acc is None else f'{acc:.2%}'}")
