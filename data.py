@@ -43,7 +43,7 @@ class DataInfo:
     train_size: int
     val_size: int
     loader: str  # what serves the batches, said once at start-up
-    class_names: list[str] | None = None  # for figures and per-class accuracy; None: numbers
+    class_names: list[str] = field(default_factory=list)  # the dataset's, or the class numbers
     notes: list[str] = field(default_factory=list)  # resizing and normalization, said once at start-up
 
 
@@ -375,6 +375,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
                         f"set ({train_batches.num_examples}); lower --batch-size")
     loader = (f"device-resident uint8 tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
+    names = list(names) if names else [str(i) for i in range(num_classes)]
     info = DataInfo(num_classes, channels, resize or size, train_batches.num_examples,
-                    val_batches.num_examples, loader, names and list(names), notes)
+                    val_batches.num_examples, loader, names, notes)
     return train_batches, val_batches, info

@@ -478,11 +478,6 @@ def log_evaluation(writer, evaluation: Evaluation, names: list[str], denormalize
                      dataformats="HWC")
 
 
-def class_names(names: list[str] | None, num_classes: int) -> list[str]:
-    """The dataset's class names, or the class numbers where it has none."""
-    return list(names) if names else [str(i) for i in range(num_classes)]
-
-
 def write_png_atomic(path: str | Path, picture) -> None:
     """A picture (H, W, 3 uint8 array) written whole or not at all, one line on failure."""
     from PIL import Image

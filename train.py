@@ -177,7 +177,7 @@ def evaluate_checkpoint(cfg: Config) -> dict:
     model = build_model(cfg, info.channels, info.num_classes, device)
     load_weights(model, weights_of(ckpt), info.num_classes, f"--evaluate {path}", new_head=False)
     result = evaluate(model, val_batches, device, runtime.amp_dtype(device, cfg.amp), info.num_classes)
-    names = runtime.class_names(info.class_names, info.num_classes)
+    names = info.class_names
     report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset,
               "val_size": info.val_size, "val_acc": result.acc, "val_loss": result.loss,
               "per_class_acc": dict(zip(names, result.per_class_acc, strict=True)),
@@ -357,7 +357,7 @@ def train(cfg: Config) -> dict:
         runtime.quiet_tensorboard_thread()
         with tensorboard():
             writer = runtime.summary_writer(out_dir, step if cfg.resume else None)
-    names = runtime.class_names(info.class_names, info.num_classes)
+    names = info.class_names
     params = sum(p.numel() for p in model.parameters())
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, {info.channels}x"
         f"{info.image_size}x{info.image_size}, {info.num_classes} classes, via {info.loader}")
