@@ -418,8 +418,9 @@ class Tally:
         return Evaluation(values[0] / count, correct / count, confusion, self.worst)
 
 
-def summary_writer(out_dir: Path, resumed_step: int | None = None):
-    """TensorBoard's writer for a train.py run in out_dir: one run, one set of curves.
+def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
+    """TensorBoard's writer for a train.py run in out_dir (one run, one set of curves), and the
+    folder an earlier run's logs were moved to, or None.
 
     A new run first moves an earlier run's event files into a subfolder named after that run's
     start, so the two do not draw over each other. A resumed run tells TensorBoard to drop what
@@ -428,7 +429,7 @@ def summary_writer(out_dir: Path, resumed_step: int | None = None):
     from torch.utils.tensorboard import SummaryWriter
 
     if resumed_step is not None:
-        return SummaryWriter(str(out_dir), purge_step=resumed_step + 1)
+        return SummaryWriter(str(out_dir), purge_step=resumed_step + 1), None
     earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # events.out.tfevents.<unix time>.<host>...
     if earlier:
         stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
@@ -442,7 +443,8 @@ def summary_writer(out_dir: Path, resumed_step: int | None = None):
         folder.mkdir()
         for path in earlier:
             path.rename(folder / path.name)
-    return SummaryWriter(str(out_dir))
+        return SummaryWriter(str(out_dir)), folder
+    return SummaryWriter(str(out_dir)), None
 
 
 def log_hparams(writer, hparams: dict, metrics: tuple[str, ...]) -> None:

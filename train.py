@@ -351,18 +351,20 @@ def train(cfg: Config) -> dict:
                     writer.close()
             raise
 
-    writer = None
+    writer = moved = None
     if is_main:
         runtime.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
         runtime.quiet_tensorboard_thread()
         with tensorboard():
-            writer = runtime.summary_writer(out_dir, step if cfg.resume else None)
+            writer, moved = runtime.summary_writer(out_dir, step if cfg.resume else None)
     names = info.class_names
     params = sum(p.numel() for p in model.parameters())
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, {info.channels}x"
         f"{info.image_size}x{info.image_size}, {info.num_classes} classes, via {info.loader}")
     for note in info.notes:
         say(note)
+    if moved:
+        say(f"TensorBoard logs of the earlier run in {out_dir} moved to {moved}")
     say(f"{cfg.model} ({params / 1e6:.2f}M params) on {device}"
         f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
         f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
