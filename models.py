@@ -146,9 +146,9 @@ def build_model(cfg: Config, channels: int, num_classes: int,
         if not Path(cfg.init_from).is_file():
             raise UserError(f"--init-from {cfg.init_from}: no such file (a best.pt, last.pt or state_dict)")
         state = runtime.load_checkpoint(cfg.init_from)
-        saved = state.get("config") if isinstance(state.get("config"), dict) else {}
-        head = load_weights(model, weights_of(state), num_classes, f"--init-from {cfg.init_from}",
-                            saved and f"it holds {saved.get('model')} width {saved.get('width')}")
+        saved = state.get("config")  # ours says what it was trained as
+        hint = f"it holds {saved.get('model')} width {saved.get('width')}" if isinstance(saved, dict) else ""
+        head = load_weights(model, weights_of(state), num_classes, f"--init-from {cfg.init_from}", hint)
         _say(f"weights from {cfg.init_from}" + (f"; {head}" if head else ""))
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory)
