@@ -14,7 +14,7 @@ import functools
 import io
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from configs import Config, UserError
+from models import input_needs
 
 TORCHVISION_SETS = {
     "mnist": ("MNIST", 10),
@@ -43,6 +44,8 @@ class DataInfo:
     train_size: int
     val_size: int
     loader: str  # what serves the batches, said once at start-up
+    class_names: list[str] = field(default_factory=list)  # the dataset's, or the class numbers
+    notes: list[str] = field(default_factory=list)  # resizing and normalization, said once at start-up
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -112,12 +115,13 @@ class Batches:
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool,
                  mean: torch.Tensor, std: torch.Tensor, pad: int, flip: bool, seed: int,
                  device: torch.device, rank: int = 0, world_size: int = 1,
-                 channels_last: bool = False, num_workers: int = 0):
+                 channels_last: bool = False, num_workers: int = 0, resize: int = 0):
         self.source, self.labels = source, labels
         self.on_device = isinstance(source, torch.Tensor)
         self.batch_size, self.train, self.pad, self.flip = batch_size, train, pad, flip
         self.seed, self.device, self.rank, self.world_size = seed, device, rank, world_size
         self.channels_last, self.num_workers = channels_last, num_workers
+        self.resize = resize  # square size a model needs (a ViT, say); 0 keeps the images' own
         self._loader = None
         self.scale = (1 / (255 * std)).view(1, -1, 1, 1).to(device)
         self.shift = (mean / std).view(1, -1, 1, 1).to(device)
@@ -178,7 +182,14 @@ class Batches:
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         memory = torch.channels_last if self.channels_last else torch.contiguous_format
         x = images.to(dtype=torch.float32, memory_format=memory)
+        if self.resize:
+            x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear",
+                              align_corners=False).contiguous(memory_format=memory)
         return x.mul_(self.scale).sub_(self.shift)
+
+    def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Batches as the model receives them back to pixel values in [0, 1], to look at."""
+        return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
 
 def _digits() -> tuple[torch.Tensor, ...]:
@@ -209,7 +220,8 @@ def _synthetic(cfg: Config) -> tuple[torch.Tensor, ...]:
     return *train, *val
 
 
-def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
+def _torchvision_set(cfg: Config) -> tuple:
+    """Train images, labels, val images, labels, and the class names."""
     import torchvision
 
     class_name, _ = TORCHVISION_SETS[cfg.dataset]
@@ -250,7 +262,7 @@ def _torchvision_set(cfg: Config) -> tuple[torch.Tensor, ...]:
         images = torch.as_tensor(ds.data)
         images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
         out += [images.contiguous(), torch.as_tensor(ds.targets).long()]
-    return tuple(out)
+    return *out, getattr(splits[0], "classes", None)
 
 
 class UnreadableImage(UserError):
@@ -281,10 +293,10 @@ def read_image(path: str, mode: str = "RGB"):
                               f"{reason}") from None
 
 
-def _image_folder(cfg: Config):
+def _image_folder(cfg: Config, size: int):
     from torchvision import datasets, transforms
 
-    root, size = Path(cfg.data_dir), cfg.image_size or 32
+    root = Path(cfg.data_dir)
     if cfg.channels not in (1, 3):
         raise UserError(f"imagefolder loads images as RGB (--channels 3) or grayscale (--channels 1), "
                         f"not with {cfg.channels} channels")
@@ -323,9 +335,11 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     per_rank = cfg.batch_size // world_size
+    needs = input_needs(cfg.model, cfg.pretrained)  # its input size; --pretrained: its normalization
     if cfg.dataset == "imagefolder":
-        train, val, num_classes = _image_folder(cfg)
-        channels, size = cfg.channels, cfg.image_size or 32
+        size = cfg.image_size or needs.crop or max(needs.size, 32)
+        train, val, num_classes = _image_folder(cfg, size)
+        channels, names = cfg.channels, train.classes
         mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
         if channels == 1:  # grayscale: the average of ImageNet's channel statistics
             mean, std = mean.mean().view(1), std.mean().view(1)
@@ -334,11 +348,12 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
             raise UserError("imagefolder reads files through workers; use --loader dataloader")
     else:
         if cfg.dataset == "digits":
-            tensors, num_classes = _digits(), 10
+            tensors, num_classes, names = _digits(), 10, [str(d) for d in range(10)]
         elif cfg.dataset == "synthetic":
-            tensors, num_classes = _synthetic(cfg), cfg.num_classes
+            tensors, num_classes, names = _synthetic(cfg), cfg.num_classes, None
         else:
-            tensors, num_classes = _torchvision_set(cfg), TORCHVISION_SETS[cfg.dataset][1]
+            *tensors, names = _torchvision_set(cfg)
+            num_classes = TORCHVISION_SETS[cfg.dataset][1]
         x_train, y_train, x_val, y_val = tensors
         channels, size = x_train.shape[1], x_train.shape[-1]
         mean, std = _stats(x_train)
@@ -351,10 +366,24 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
         else:
             ds = torch.utils.data.TensorDataset
             sources = ((ds(x_train, y_train), None), (ds(x_val, y_val), None))
+    notes, resize = [], 0
+    if needs.size and (size != needs.size if needs.exact else size < needs.size):
+        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
+        if cfg.image_size and cfg.dataset in ("imagefolder", "synthetic"):
+            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} "
+                            "(or leave it out)")
+        resize = needs.size
+        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to "
+                     f"{resize}x{resize} on the device")
+    if needs.mean:  # --pretrained: the normalization the weights were trained with
+        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
+        if channels != 3:
+            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
+        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
     common = dict(mean=mean, std=std, pad=PADDING.get(cfg.dataset, max(size // 8, 1)),
                   flip=cfg.flip and cfg.dataset in FLIPS, seed=cfg.seed, device=device, rank=rank,
                   world_size=world_size, channels_last=cfg.channels_last,
-                  num_workers=cfg.num_workers)
+                  num_workers=cfg.num_workers, resize=resize)
     if not cfg.augment:
         common.update(pad=0, flip=False)
     (train_src, train_lab), (val_src, val_lab) = sources
@@ -365,6 +394,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
                         f"set ({train_batches.num_examples}); lower --batch-size")
     loader = (f"device-resident uint8 tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
-    info = DataInfo(num_classes, channels, size, train_batches.num_examples,
-                    val_batches.num_examples, loader)
+    names = list(names) if names else [str(i) for i in range(num_classes)]
+    info = DataInfo(num_classes, channels, resize or size, train_batches.num_examples,
+                    val_batches.num_examples, loader, names, notes)
     return train_batches, val_batches, info

@@ -419,7 +419,7 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any) -> list[Any]:
         from torch.utils.tensorboard import SummaryWriter
 
         pixels = (imread(io.BytesIO(png.getvalue()), format="png")[..., :3] * 255).round()
-        with SummaryWriter(str(out_dir / "lr_find")) as writer:
+        with SummaryWriter(str(out_dir / "lr_find"), purge_step=0) as writer:  # a re-run replaces it
             writer.add_image("lr_find", pixels.astype("uint8"), dataformats="HWC")
     except ImportError as err:
         wrote.append(f"no {'plot' if len(wrote) == 1 else 'TensorBoard image'} (pip install {err.name})")

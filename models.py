@@ -1,21 +1,25 @@
 """Models by name and the one optimizer builder both scripts use.
 
 `resnet_small` is the default: a few residual blocks that train in seconds on 8-64 px images.
-`resnet9` is the well-known fast CIFAR-10 network. Any other name goes to torchvision's model
-registry, without pretrained weights (nothing is downloaded).
+`resnet9` is the well-known fast CIFAR-10 network. Your own go into MODELS, one line each. Any
+other name goes to torchvision's model registry, with its ImageNet weights under --pretrained.
+A new run can also start from a checkpoint's weights (--init-from).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import runtime
 from configs import Config, UserError
-
-OWN_MODELS = ("resnet_small", "resnet9")
 
 
 def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
@@ -68,6 +72,14 @@ class ResNet9(nn.Sequential):
         )
 
 
+# Our own models by name; `--model NAME` builds MODELS[NAME](channels, num_classes, width, dropout).
+# To add one, write its class above and add its line here.
+MODELS = {
+    "resnet_small": ResNetSmall,
+    "resnet9": ResNet9,
+}
+
+
 def torchvision_models() -> list[str]:
     import torchvision
 
@@ -75,38 +87,177 @@ def torchvision_models() -> list[str]:
 
 
 def check_model_name(name: str) -> None:
-    if name in OWN_MODELS:
+    if name in MODELS:
         return
     known = torchvision_models()
     if name not in known:
-        close = difflib.get_close_matches(name, [*OWN_MODELS, *known], n=1)
+        close = difflib.get_close_matches(name, [*MODELS, *known], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UserError(f"unknown model {name!r}{hint} (resnet_small, resnet9, or a torchvision "
+        raise UserError(f"unknown model {name!r}{hint} ({', '.join(MODELS)}, or a torchvision "
                         "classification model such as resnet18)")
+
+
+@dataclass
+class InputNeeds:
+    """What a model asks of its inputs; data.py resizes and normalizes batches to match."""
+
+    size: int = 0  # 0: any size
+    exact: bool = False  # ViTs take exactly `size`; other models at least `size`
+    crop: int = 0  # --pretrained: the size the weights were trained at (ImageFolder default)
+    mean: tuple[float, ...] | None = None  # --pretrained: the normalization the weights expect
+    std: tuple[float, ...] | None = None
+    weights: str = ""  # --pretrained: torchvision's name for them
+
+
+@functools.lru_cache
+def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
+    """The input size a torchvision model needs (its weights' min_size, or a ViT's image_size)
+    and, with --pretrained, the size and mean/std its weights' transforms() use."""
+    check_model_name(model)
+    if model in MODELS:
+        if pretrained:
+            raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained "
+                            "weights (start from a checkpoint of yours with --init-from PATH)")
+        return InputNeeds()
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(model).DEFAULT
+    with torch.device("meta"):  # the architecture alone: no memory, no initialization
+        fixed = getattr(torchvision.models.get_model(model, weights=None), "image_size", 0)
+    size = weights.meta["min_size"][0]
+    needs = InputNeeds(size if pretrained or not fixed else fixed, exact=bool(fixed))
+    if pretrained:
+        transforms = weights.transforms()
+        needs.crop, needs.weights = transforms.crop_size[0], f"{type(weights).__name__}.{weights.name}"
+        needs.mean, needs.std = tuple(transforms.mean), tuple(transforms.std)
+    return needs
 
 
 def build_model(cfg: Config, channels: int, num_classes: int,
                 device: torch.device | str = "cpu") -> nn.Module:
-    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it."""
+    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it.
+
+    A new run starts from --pretrained or --init-from weights; a resumed or evaluated one gets
+    every weight from its own checkpoint, so they are not loaded then.
+    """
+    starting = not (cfg.resume or cfg.evaluate)
+    model = _architecture(cfg, channels, num_classes, pretrained=cfg.pretrained and starting)
+    if cfg.init_from and starting:
+        if not Path(cfg.init_from).is_file():
+            raise UserError(f"--init-from {cfg.init_from}: no such file (a best.pt, last.pt or state_dict)")
+        state = runtime.load_checkpoint(cfg.init_from)
+        saved = state.get("config")  # ours says what it was trained as
+        hint = f"it holds {saved.get('model')} width {saved.get('width')}" if isinstance(saved, dict) else ""
+        head = load_weights(model, weights_of(state), num_classes, f"--init-from {cfg.init_from}", hint)
+        _say(f"weights from {cfg.init_from}" + (f"; {head}" if head else ""))
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    return _architecture(cfg, channels, num_classes).to(device, memory_format=memory)
+    return model.to(device, memory_format=memory)
 
 
-def _architecture(cfg: Config, channels: int, num_classes: int) -> nn.Module:
-    check_model_name(cfg.model)
-    if cfg.model == "resnet_small":
-        return ResNetSmall(channels, num_classes, cfg.width, cfg.dropout)
-    if cfg.model == "resnet9":
-        return ResNet9(channels, num_classes, cfg.width, cfg.dropout)
+def weights_of(state: dict) -> dict:
+    """The state_dict in a checkpoint of ours ("model"), a Lightning-style one ("state_dict") or a
+    plain one, without the `module.` and `_orig_mod.` prefixes DDP and torch.compile add."""
+    weights = state.get("model", state.get("state_dict", state))
+    if not isinstance(weights, dict):
+        raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
+    strip = ("module.", "_orig_mod.")
+    out = {}
+    for key, value in weights.items():
+        while key.startswith(strip):
+            key = key.removeprefix("module.").removeprefix("_orig_mod.")
+        out[key] = value
+    return out
+
+
+def load_weights(model: nn.Module, weights: dict, num_classes: int, source: str,
+                 hint: str = "", new_head: bool = True) -> str:
+    """Copy `weights` into `model`. A classifier head for another number of classes (tensors whose
+    first dimension alone differs, num_classes here) keeps its fresh initialization when
+    `new_head`; any other difference is one UserError line. Returns what happened to the head."""
+    own = model.state_dict()
+    head = [k for k in own.keys() & weights.keys() if isinstance(weights[k], torch.Tensor)
+            and own[k].shape != weights[k].shape and own[k].shape[0] == num_classes
+            and own[k].shape[1:] == weights[k].shape[1:]]
+    old = {weights[k].shape[0] for k in head}
+    if not new_head or len(old) != 1:
+        head = []
+    problems = [f"missing {k}" for k in own.keys() - weights.keys()]
+    problems += [f"unexpected {k}" for k in weights.keys() - own.keys()]
+    problems += [f"{k} {_shape(weights[k])} there, {_shape(own[k])} here"
+                 for k in own.keys() & weights.keys() if k not in head
+                 and (not isinstance(weights[k], torch.Tensor) or weights[k].shape != own[k].shape)]
+    if problems:
+        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise UserError(f"{source} does not fit the model built here ({'; '.join(sorted(problems)[:4])}"
+                        f"{more}){'; ' + hint if hint else ''}; build the model it was saved from "
+                        "(--model, --width, --channels)")
+    with torch.no_grad():
+        for key, tensor in own.items():
+            if key not in head:
+                tensor.copy_(weights[key])
+    if not head:
+        return ""
+    layers = sorted({k.rsplit(".", 1)[0] for k in head})
+    return f"classifier head {', '.join(layers)} re-initialised for {num_classes} classes (was {old.pop()})"
+
+
+def _shape(value) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _say(text: str) -> None:
+    """Said once at start-up, by one process under torchrun."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text)
+
+
+def _architecture(cfg: Config, channels: int, num_classes: int, pretrained: bool = False) -> nn.Module:
+    needs = input_needs(cfg.model, cfg.pretrained)
+    if cfg.model in MODELS:
+        return MODELS[cfg.model](channels, num_classes, cfg.width, cfg.dropout)
     if cfg.dropout:  # torchvision builders differ: some take `dropout`, some silently ignore it
-        raise UserError(f"--dropout applies to resnet_small and resnet9; {cfg.model} keeps "
+        raise UserError(f"--dropout applies to {', '.join(MODELS)}; {cfg.model} keeps "
                         "torchvision's own dropout (set it in models.py)")
     import torchvision
 
-    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
+    options = {"image_size": needs.size} if needs.exact else {}  # a ViT is built for one size
+    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes, **options)
+    if pretrained:
+        head = load_weights(model, _pretrained_weights(cfg.model), num_classes,
+                            f"--pretrained {needs.weights}")
+        _say(f"pretrained weights: torchvision's {needs.weights}" + (f"; {head}" if head else ""))
     if channels != 3:  # torchvision models expect RGB: a learned 1x1 conv maps channels to 3
         return nn.Sequential(nn.Conv2d(channels, 3, 1), model)
     return model
+
+
+def _pretrained_weights(name: str) -> dict:
+    """torchvision's default weights for `name`, from $TORCH_HOME/hub/checkpoints as torchvision
+    keeps them (downloaded there first if missing), loaded with weights_only=True."""
+    from urllib.parse import urlparse
+
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(name).DEFAULT
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    file = folder / os.path.basename(urlparse(weights.url).path)
+    if not file.is_file():
+        created = [f for f in (folder, *folder.parents) if not f.exists()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            digest = torch.hub.HASH_REGEX.search(file.name)  # torchvision checks it too
+            torch.hub.download_url_to_file(weights.url, str(file), digest and digest.group(1),
+                                           progress=False)
+        except Exception as err:  # no network (URLError), a proxy, a bad hash, a full disk, ...
+            for empty in created:  # leave no folders behind that only the failed download made
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
+            reason = str(getattr(err, "reason", "") or err).strip().splitlines()
+            reason = reason[0][:100] if reason else type(err).__name__
+            raise UserError(f"--pretrained needs {file.name} and could not download it ({reason}); "
+                            f"without network, copy it from {weights.url} into {folder} "
+                            "($TORCH_HOME/hub/checkpoints)") from None
+    return weights_of(runtime.load_checkpoint(file))
 
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float,

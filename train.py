@@ -2,6 +2,7 @@
 
 Read top to bottom: config -> data -> model and optimizer -> schedule -> (resume) -> loop ->
 evaluate each epoch -> checkpoint -> summary. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
+`python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from configs import (
 )
 from data import UnreadableImage, build_loaders
 from lr_find import capture_rng_state, restore_rng_state
-from models import build_model, build_optimizer
+from models import build_model, build_optimizer, load_weights, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
+# What --evaluate takes from its command line; the model and data settings come from the checkpoint.
+EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "epoch", "batch", "step", "rng", "config")
 SECONDS_COVER = ("seconds: this process's training loop, evaluation and checkpoints included, start-up "
                  "not; total_seconds: the same over every part of the run")
@@ -179,18 +182,54 @@ def unfinished_run(path: Path) -> str | None:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, amp_dtype) -> tuple[float, float]:
+def evaluate(model, batches, device, amp_dtype, num_classes: int) -> runtime.Evaluation:
+    """One pass over the validation split: loss, confusion matrix and the most confidently wrong
+    images, kept on the device and read once at the end."""
     model.eval()
-    totals = torch.zeros(3, device=device)  # loss sum, correct, count
+    tally = runtime.Tally(num_classes, device)
     for inputs, targets in batches.epoch(0):
         with runtime.autocast(device, amp_dtype):
             logits = model(inputs)
-        totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
-        totals[1] += (logits.argmax(1) == targets).sum()
-        totals[2] += len(targets)
-    loss_sum, correct, count = runtime.all_reduce_sum(totals).tolist()
+        tally.add(logits, targets, inputs)
     model.train()
-    return loss_sum / count, correct / count
+    return tally.result()
+
+
+def evaluate_checkpoint(cfg: Config, given: dict | None = None) -> dict:
+    """--evaluate PATH: the validation split once through a saved model. Trains nothing; writes
+    eval.json and eval_confusion.png next to the checkpoint (or into an --out-dir given here).
+    `given`: the settings the command line gave (None: all of cfg's)."""
+    given = cfg.to_dict() if given is None else given
+    path = Path(cfg.evaluate)
+    if not path.is_file():
+        raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
+    ckpt = runtime.load_checkpoint(path)
+    if isinstance(ckpt.get("config"), dict):  # ours: built as it was trained, run where asked
+        saved = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
+        here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
+        cfg = Config(**{**saved, **here, "resume": "", "init_from": "", "evaluate": str(path)})
+    validate(cfg)
+    out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
+    rank, world_size, device = runtime.setup_distributed(cfg.device)
+    _, val_batches, info = build_loaders(cfg, device, rank, world_size)
+    model = build_model(cfg, info.channels, info.num_classes, device)
+    load_weights(model, weights_of(ckpt), info.num_classes, f"--evaluate {path}", new_head=False)
+    result = evaluate(model, val_batches, device, runtime.amp_dtype(device, cfg.amp), info.num_classes)
+    names = info.class_names
+    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset,
+              "val_size": info.val_size, "val_acc": result.acc, "val_loss": result.loss,
+              "per_class_acc": dict(zip(names, result.per_class_acc, strict=True)),
+              "confusion": result.confusion}
+    if rank == 0:
+        print(f"{path} on the {info.val_size} {cfg.dataset} validation images: val acc {result.acc:.2%}  "
+              f"val loss {result.loss:.4f}")
+        for name, acc in report["per_class_acc"].items():
+            print(f"  {name:>12}  {'no images' if acc is None else f'{acc:.2%}'}")
+        runtime.write_json_atomic(out_dir / "eval.json", report)
+        runtime.write_png_atomic(out_dir / "eval_confusion.png",
+                                 runtime.confusion_picture(result.confusion, names))
+        print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval_confusion.png'}")
+    return report
 
 
 class StopFlag:
@@ -226,6 +265,9 @@ def main() -> None:
     try:
         given = parse_given(description=__doc__.splitlines()[0])
         cfg = Config(**given)
+        if cfg.evaluate:
+            evaluate_checkpoint(cfg, given)
+            return
         if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
             validate(cfg)
         train(cfg, given)
@@ -363,22 +405,26 @@ def train(cfg: Config, given: dict | None = None) -> dict:
                     writer.close()
             raise
 
-    writer = None
+    writer = moved = None
     if is_main:
-        from torch.utils.tensorboard import SummaryWriter
-
         runtime.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
         runtime.quiet_tensorboard_thread()
         with tensorboard():
-            writer = SummaryWriter(str(out_dir))
+            writer, moved = runtime.summary_writer(out_dir, step if cfg.resume else None)
+    names = info.class_names
     params = sum(p.numel() for p in model.parameters())
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, {info.channels}x"
         f"{info.image_size}x{info.image_size}, {info.num_classes} classes, via {info.loader}")
+    for note in info.notes:
+        say(note)
+    if moved:
+        say(f"TensorBoard logs of the earlier run in {out_dir} moved to {moved}")
     say(f"{cfg.model} ({params / 1e6:.2f}M params) on {device}"
         f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
         f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
 
     val_loss = val_acc = float("nan")
+    val = None
     epoch_rates, started = [], time.perf_counter()
     with StopFlag() as stop, writer_closed_on_error(), saved_if_a_file_is_unreadable():
         for epoch in range(start_epoch, cfg.epochs):
@@ -403,6 +449,11 @@ def train(cfg: Config, given: dict | None = None) -> dict:
                 loss_count += 1
                 if first_loss is None:
                     first_loss = loss.detach()
+                    if writer and step == 0:  # once: the first batch as the model received it
+                        with tensorboard():
+                            shown = slice(runtime.INPUTS_SHOWN)
+                            runtime.log_inputs(writer, train_batches.denormalize(inputs[shown]),
+                                               targets[shown], names, step)
                 images_this_epoch += len(targets) * world_size
                 if not steps_now:
                     continue
@@ -446,13 +497,15 @@ def train(cfg: Config, given: dict | None = None) -> dict:
                 epoch_rates.append(images_this_epoch / max(seconds, 1e-9))
             start_batch = 0
             done = (epoch, batches)
-            val_loss, val_acc = evaluate(fast, val_batches, device, amp_dtype)
+            val = evaluate(fast, val_batches, device, amp_dtype, info.num_classes)
+            val_loss, val_acc = val.loss, val.acc
             improved = val_acc > best_acc
             best_acc = max(best_acc, val_acc)
             if writer:
                 with tensorboard():
                     writer.add_scalar("val/loss", val_loss, step)
                     writer.add_scalar("val/acc", val_acc, step)
+                    runtime.log_evaluation(writer, val, names, val_batches.denormalize, step)
             rate = f"  ({epoch_rates[-1]:,.0f} img/s)" if images_this_epoch else ""
             say(f"epoch {epoch + 1}/{cfg.epochs}  step {step}  val loss {val_loss:.4f}  "
                 f"val acc {val_acc:.2%}{rate}")
@@ -472,15 +525,17 @@ def train(cfg: Config, given: dict | None = None) -> dict:
                "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
                "images_per_second": sum(steady) / len(steady) if steady else math.nan,
                "lr": lr, "world_size": world_size, "device": str(device),
-               "ranks_in_sync": runtime.ranks_agree(model)}
+               "ranks_in_sync": runtime.ranks_agree(model),
+               "per_class_acc": dict(zip(names, val.per_class_acc, strict=True)) if val else None}
     if writer:
         hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
         with tensorboard():
-            writer.add_hparams({**hparams, "lr": lr},
-                               {"hparam/val_acc": val_acc, "hparam/val_loss": val_loss},
-                               run_name="hparams")
+            runtime.log_hparams(writer, {**hparams, "lr": lr}, ("val/acc", "val/loss"))
             writer.flush()  # raises what the writer thread met; close() would drop it
             writer.close()
+        if val:
+            picture = runtime.confusion_picture(val.confusion, names)
+            runtime.write_png_atomic(out_dir / "confusion.png", picture)
         runtime.write_json_atomic(out_dir / "summary.json", summary)
         total = f" ({seconds_before + seconds:.1f}s over {part} parts)" if part > 1 else ""
         say(f"done: val acc {val_acc:.2%} (best {best_acc:.2%}) in {seconds:.1f}s{total}; "

@@ -74,6 +74,11 @@ class Config:
     # model and optimizer
     model: str = setting("resnet_small", "resnet_small, resnet9, or any torchvision classification "
                          "model name", moves_lr=True)
+    pretrained: bool = setting(False, "torchvision models: start from torchvision's default ImageNet weights "
+                               "(their normalization and input size too)", moves_lr=True)
+    init_from: str = setting("", "a new run starts from the weights in this best.pt/last.pt or state_dict "
+                             "file (a head of another class count is re-initialised); \"\": off",
+                             may_change=True, moves_lr=True)
     width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0",
                          moves_lr=True)
     dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the classifier; 0: none",
@@ -139,6 +144,8 @@ class Config:
     allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
                                       "schedules only: the others are shaped by the run's length)",
                                       may_change=True)
+    evaluate: str = setting("", "a checkpoint: run the validation split once through it, print and write "
+                            "eval.json next to it, train nothing; \"\": off", may_change=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

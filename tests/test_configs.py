@@ -32,7 +32,7 @@ def other_value(name: str, default):
         return str(default + 1)
     if isinstance(default, float):
         return str(default + 0.5)
-    return f"{default}-changed"
+    return f"{default}-changed" if default else "runs/a/best.pt"  # an empty default: a path
 
 
 def test_every_field_has_a_flag():

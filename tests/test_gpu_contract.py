@@ -310,7 +310,7 @@ class FakeCIFAR10:
 torchvision.datasets.CIFAR10 = FakeCIFAR10
 dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
 dist.barrier()  # both ranks reach the dataset at the same moment
-images, labels, _, _ = data._torchvision_set(parse_config(["--dataset", "cifar10", "--data-dir", root]))
+images, labels, _, _, _ = data._torchvision_set(parse_config(["--dataset", "cifar10", "--data-dir", root]))
 assert images.shape == (12, 3, 32, 32) and len(labels) == 12
 dist.destroy_process_group()
 '''

@@ -1,0 +1,51 @@
+"""Models by name: one registry to add yours to, and torchvision models that need a fixed size."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from configs import UserError, parse_config
+from data import build_loaders
+from models import build_model
+
+
+def test_a_model_added_as_the_readme_says_trains_by_name(tmp_path):
+    """Follow the README word for word in a copy of the project: its class, its line in MODELS."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    new_class = next(block for block in blocks if "class TinyNet" in block)
+    registry = next(block for block in blocks if block.startswith("MODELS = {"))
+    project = tmp_path / "project"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".*", "runs", "data", "tests", "docs"))
+    models = (project / "models.py").read_text()
+    current = re.search(r"^MODELS = \{\n.*?^\}\n", models, re.S | re.M).group(0)
+    assert registry.replace('    "tinynet": TinyNet,\n', "") == current, "the README shows another MODELS"
+    (project / "models.py").write_text(models.replace(current, f"{new_class}\n\n{registry}"))
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", "--model", "tinynet", "--epochs", "1",
+                             "--device", "cpu", "--out-dir", str(out)], cwd=project,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "tinynet (0.00M params)" in result.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 11
+
+
+def test_a_fixed_size_model_gets_its_inputs_resized():
+    """vit_b_16 takes exactly 224x224: digits' 8x8 images are resized on the device, said once."""
+    cfg = parse_config(["--model", "vit_b_16", "--batch-size", "2", "--device", "cpu"])
+    batches, _, info = build_loaders(cfg, torch.device("cpu"))
+    inputs, _ = next(iter(batches))
+    assert inputs.shape == (2, 1, 224, 224) and info.image_size == 224
+    assert info.notes == ["vit_b_16 takes inputs of exactly 224x224 px: the 8x8 images are resized "
+                          "to 224x224 on the device"]
+    model = build_model(cfg, info.channels, info.num_classes).eval()
+    with torch.no_grad():
+        assert model(inputs).shape == (2, 10)
+    with pytest.raises(UserError, match="exactly 224x224 px; pass --image-size 224"):
+        build_loaders(parse_config(["--model", "vit_b_16", "--dataset", "synthetic", "--image-size", "32"]),
+                      torch.device("cpu"))
