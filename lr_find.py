@@ -73,10 +73,9 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     lrs[0], lrs[-1] = start_lr, end_lr
     restore, batches = _snapshot(model, optimizer, scaler), _cycle(loader)
     try:
-        with torch.enable_grad():
-            losses, smoothed, stop_reason = _sweep(model, optimizer, loss_fn, batches, device, lrs, smooth,
-                                                   diverge, accum_steps, autocast_dtype, scaler,
-                                                   min_iter_before_stop, progress)
+        losses, smoothed, stop_reason = _sweep(model, optimizer, loss_fn, batches, device, lrs, smooth,
+                                               diverge, accum_steps, autocast_dtype, scaler,
+                                               min_iter_before_stop, progress)
     finally:
         batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
         restore()
@@ -106,6 +105,8 @@ class LRFindResult:
 
     def for_schedule(self, schedule: str) -> float | None:
         """The suggestion for ``schedule``: onecycle's peak, or the others' starting rate."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
         return self.suggestions[SCHEDULES[schedule]][0]
 
 
@@ -117,7 +118,7 @@ def suggest_lr(lrs: Sequence[float], losses: Sequence[float], method: str = "min
     return _read(suggestion_curve(lrs, losses), {method: method})[method][0]
 
 
-# --- what the rules read, and the rules -----------------------------------------------------
+# --- what the rules read, and the rules -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,9 @@ RULES: dict[str, Callable[[SuggestionCurve], float | None]] = {
 METHODS = tuple(RULES)
 
 
+# --- saving and drawing a sweep ---------------------------------------------------------------
+
+
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any) -> list[Any]:
     """Write lr_find.json, lr_find.png and the same picture to TensorBoard in out_dir/lr_find/ (no
     scalars: against the step index neither loss nor lr means much). The one writer for `python
@@ -259,11 +263,12 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
         low, high = min(descent + [v for _, v in raw]), max(descent + [raw[0][1]])
         pad = 0.08 * (high - low) or 0.1 * abs(high) or 1.0
         ax.set_ylim(low - pad, high + pad)  # the blow-up may leave the top; the descent stays readable
+    names = {"peak": "onecycle peak", "base": "constant/step/cosine/warmup"}
     for family, (lr, rule) in result.suggestions.items():
-        chosen, label = family == SCHEDULES.get(result.schedule), f"{'/'.join(_SERVED[family])} ({rule})"
+        chosen = family == SCHEDULES.get(result.schedule)
         if lr is not None:
             ax.axvline(lr, color="tab:red" if chosen else "tab:gray", linestyle="-" if chosen else "--",
-                       linewidth=2.5 if chosen else 1, label=f"{label}: {lr:.3g}")
+                       linewidth=2.5 if chosen else 1, label=f"{names[family]} ({rule}): {lr:.3g}")
     ax.set_xscale("log")
     ax.set(xlabel="learning rate", ylabel="loss", title=f"LR range test, {len(result.lrs)} steps, "
            f"{result.stop_reason}; red: for --schedule {result.schedule}")
@@ -273,7 +278,7 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
     return ax.figure
 
 
-# --- the command line -----------------------------------------------------------------------
+# --- the command line -------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -388,7 +393,7 @@ def _next_command(argv: list[str]) -> str:
     return shlex.join(["python", "train.py", *kept, "--lr", "auto"])
 
 
-# --- internals: checks, suggestions, files, the sweep -----------------------------------------
+# --- internals: checks, suggestions, files and the sweep --------------------------------------
 
 
 def _check_args(model, optimizer, schedule, method, start_lr, end_lr, num_iter, smooth, diverge,
@@ -475,6 +480,7 @@ def _read_lag(device: torch.device) -> int:
     return 1 if device.type == "cuda" else 0
 
 
+@torch.enable_grad()
 def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge, accum_steps,
            autocast_dtype, scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], str]:
     """One optimizer step per lr of ``schedule`` until the stop rule fires: (losses, smoothed, why)."""
@@ -546,7 +552,7 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
     return losses, smoothed, stop or "completed"
 
 
-# --- internals: snapshot and restore --------------------------------------------------------
+# --- internals: snapshot and restore ----------------------------------------------------------
 
 _Kept = namedtuple("_Kept", "live saved")  # a tensor, dict or list, and its contents to put back
 
@@ -638,8 +644,10 @@ def _restore_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
     if "numpy" in state:
+        import numpy as np
+
         name, keys, *rest = state["numpy"]
-        __import__("numpy").random.set_state((name, keys.numpy().astype("uint32"), *rest))
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 
 capture_rng_state, restore_rng_state = _capture_rng_state, _restore_rng_state  # train.py's, until it moves
