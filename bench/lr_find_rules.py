@@ -1,4 +1,4 @@
-"""Benchmark lr_find's suggestions: `python bench_lr_find.py [--quick] [--seeds N] [--part P] [--json F]`.
+"""lr_find's suggestion rules: `python -m bench.lr_find_rules [--quick] [--seeds N] [--part P] [--json F]`.
 
 Quality: on a task where the learning rate moves val accuracy by several points (synthetic, 100
 classes of 1x8x8 images, 8192 train / 2048 val, resnet_small width 8, 2 epochs = 128 optimizer
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import runtime
-from bench import sync
+from bench.speed import sync
 from configs import Config, UserError, exit_with_error, parse_config
 from data import build_loaders
 from lr_find import DEFAULT_RULES, METHODS, lr_find
@@ -52,7 +52,7 @@ TLF_RANGE_TEST = {"end_lr": 10, "num_iter": 100}  # its defaults; start_lr: the 
 TLF_SKIP = (10, 5)  # skip_start, skip_end of torch-lr-finder's plot(suggest_lr=True)
 TARGETS = {"default_gap_pp": ">= -0.15", "default_minus_tlf_pp": ">= 0", "time_ratio": "<= 0.6",
            "stability_ratio": "< 1.5"}
-MISSING_TLF = ("bench_lr_find.py: torch-lr-finder is not importable (needed for the comparison); "
+MISSING_TLF = ("bench/lr_find_rules.py: torch-lr-finder is not importable (needed for the comparison); "
                "run `pip install --no-deps torch-lr-finder`")
 
 
