@@ -37,14 +37,13 @@ import torch.nn.functional as F
 
 import runtime
 from bench.speed import sync
-from configs import Config, UserError, exit_with_error, parse_config
+from configs import OPTIMIZERS, Config, UserError, exit_with_error, parse_config
 from data import build_loaders
 from lr_find import DEFAULT_RULES, METHODS, lr_find
 from models import build_model, build_optimizer
 
 TASK = ["--dataset", "synthetic", "--num-classes", "100", "--channels", "1", "--image-size", "8",
         "--synthetic-size", "8192", "--width", "8", "--epochs", "2"]
-OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = {"onecycle": "peak", "cosine": "base"}  # cosine stands for the schedules that start at their rate
 GRIDS = {"sgd": [0.01, 0.0316, 0.1, 0.316, 1.0, 3.16, 10.0],
          "adamw": [0.001, 0.00316, 0.01, 0.0316, 0.1, 0.316, 1.0]}
