@@ -130,15 +130,15 @@ def from_rank0(value):
 def on_rank0(work: Callable, *args) -> None:
     """`work(*args)` on rank 0 alone (a check of its files, a write), its UserError raised on every
     rank: rank 0 decides, and one broadcast makes all ranks go on, or stop, together."""
-    if not is_distributed():
-        return work(*args)
     problem = None
-    if dist.get_rank() == 0:
+    if not is_distributed():
+        work(*args)
+    elif dist.get_rank() == 0:
         try:
             work(*args)
         except UserError as err:
             problem = str(err)
-    problem = from_rank0(problem)
+    problem = from_rank0(problem)  # on every rank: the ranks that did not run `work` wait here
     if problem:
         raise UserError(problem)
 
