@@ -34,7 +34,7 @@ import torch
 # What each schedule takes from a sweep: onecycle its peak, the others the rate they start at.
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
-# The rule per optimizer kind and schedule, as bench_lr_find.py measured (README, "Learning rate"):
+# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (README, "Learning rate"):
 # started at full rate with no warmup, Adam-like optimizers blow up well below the sweep's bottom.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"},
                  "adaptive": {"peak": "minimum", "base": "min/10"}}
@@ -624,33 +624,25 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return restore
 
 
-# A deliberate private copy of runtime.py's RNG capture, so that this file works copied alone.
+# A deliberate private copy of runtime.py's RNG capture, so that this file works copied alone. It
+# lives in memory only, so unlike runtime.py's it need not survive a weights_only checkpoint.
 def _capture_rng_state() -> dict:
-    """Every global RNG a training step may draw from, in tensors and plain values (so it survives
-    ``torch.save``/``torch.load(weights_only=True)`` in a checkpoint)."""
+    """Every global RNG a training step may draw from."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:  # touched only when the caller already imported it
-        name, keys, *rest = sys.modules["numpy"].random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), *rest)
+        state["numpy"] = sys.modules["numpy"].random.get_state()
     return state
 
 
 def _restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
-
-        name, keys, *rest = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-
-
-capture_rng_state, restore_rng_state = _capture_rng_state, _restore_rng_state  # train.py's, until it moves
+        sys.modules["numpy"].random.set_state(state["numpy"])
 
 
 if __name__ == "__main__":

@@ -131,8 +131,13 @@ def train_acc(flags: list[str], schedule: str, lr: float, tmp: str) -> float:
     import train
 
     cfg = parse_config([*flags, "--schedule", schedule, "--lr", repr(lr), "--out-dir", tmp])
-    with contextlib.redirect_stdout(io.StringIO()):
-        acc = float(train.train(cfg)["val_acc"])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            acc = float(train.train(cfg)["val_acc"])
+    except UserError as err:  # train.py's divergence guard stops such a run early
+        if not str(err).startswith("training diverged"):
+            raise
+        return 0.0
     return acc if math.isfinite(acc) else 0.0
 
 
