@@ -1,17 +1,29 @@
-"""What train.py and lr_find.py both need around the loop: device, AMP, processes, checkpoints;
-and train.py's evaluation tallies and TensorBoard pictures."""
+"""What runs around the training loop, so that train.py reads as the loop itself.
+
+First what train.py and lr_find.py's command line share: device and AMP, torchrun, checkpoint files
+and RNG states, output files written whole. Then train.py's alone: resume and checkpoint contents,
+stop rules (Ctrl-C, divergence), --lr find, evaluation tallies, TensorBoard, the summary, pictures.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import importlib
 import io
+import itertools
 import json
+import math
 import os
 import pickle
+import random
 import shutil
+import signal
+import sys
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,9 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from configs import UserError
+from configs import Config, UserError, check_resumable, resumed_config
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -114,6 +127,22 @@ def from_rank0(value):
     return holder[0]
 
 
+def on_rank0(work: Callable, *args) -> None:
+    """`work(*args)` on rank 0 alone (a check of its files, a write), its UserError raised on every
+    rank: rank 0 decides, and one broadcast makes all ranks go on, or stop, together."""
+    problem = None
+    if not is_distributed():
+        work(*args)
+    elif dist.get_rank() == 0:
+        try:
+            work(*args)
+        except UserError as err:
+            problem = str(err)
+    problem = from_rank0(problem)  # on every rank: the ranks that did not run `work` wait here
+    if problem:
+        raise UserError(problem)
+
+
 def sync_buffers(module: nn.Module) -> None:
     """Copy rank 0's buffers (BatchNorm statistics) to every rank.
 
@@ -138,8 +167,13 @@ def ranks_agree(module: nn.Module) -> bool:
 
 
 def cleanup_distributed() -> None:
+    """Leave the process group, then pause a moment before the process exits. Gloo's worker threads
+    let go of a finished collective's tensors just after the caller's wait returns, and need the GIL
+    to free one that Python created; a process that is already exiting then aborts with "terminate
+    called without an active exception" (seen at exit of torchrun runs, error paths included)."""
     if is_distributed():
         dist.destroy_process_group()
+        time.sleep(0.1)  # the GIL is free: the worker threads finish
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -203,6 +237,35 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+# lr_find.py keeps a private copy of these two, so that it can be copied into a project alone.
+
+def capture_rng_state() -> dict:
+    """Every global RNG a training step may draw from, as tensors and plain values only (so it
+    survives ``torch.save``/``torch.load(weights_only=True)`` inside a checkpoint)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")  # touched only when the caller already imported it
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                          float(cached))
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
+    if "numpy" in state:
+        np = sys.modules.get("numpy") or importlib.import_module("numpy")
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+        np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+
+
 # ---------------------------------------------------------------- output files
 
 FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
@@ -247,6 +310,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def write_json_atomic(path: str | Path, value) -> None:
     write_text_atomic(path, json.dumps(value, indent=2) + "\n")
+
+
+def write_png_atomic(path: str | Path, picture) -> None:
+    """A picture (H, W, 3 uint8 array) written whole or not at all, one line on failure."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    _write_atomic(Path(path), lambda file: file.write(data), lambda: len(data))
 
 
 @contextlib.contextmanager
@@ -361,6 +434,186 @@ def _reason(err: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+# ---------------------------------------------------------------- train.py's checkpoints and resume
+
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "epoch", "batch", "step", "rng", "config")
+
+
+def training_state(model: nn.Module, optimizer, scheduler, scaler, **progress) -> dict:
+    """A checkpoint: the states a run continues from bit for bit, every RNG's included, plus
+    `progress`: where it stands (epoch, batch, step, ...) and its config."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "rng": capture_rng_state(),
+            "scaler": scaler.state_dict() if scaler is not None else None, **progress}
+
+
+def load_resume(cfg: Config, given: dict | None) -> tuple[dict, Path, Config]:
+    """--resume: the checkpoint, its path, and the config the run continues with (the checkpoint's,
+    with `given`, the settings the command line gave, on top; None: all of cfg's). Refuses in one
+    line a file that is not a train.py checkpoint, nan/inf weights, and a config that would change
+    what the saved state means."""
+    path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    ckpt = load_checkpoint(path)
+    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint")
+    if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):
+        raise UserError(f"checkpoint {path} is not a train.py checkpoint (model or config is not a dict)")
+    if not all_finite([t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]):
+        raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
+                        "run with a lower --lr")
+    cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
+    check_resumable(ckpt["config"], cfg)
+    return ckpt, path, cfg
+
+
+def restore_training_state(ckpt: dict, path: Path, model: nn.Module, optimizer, scheduler, scaler) -> None:
+    """training_state's states back into the run's objects; one UserError line if they do not fit."""
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        restore_rng_state(ckpt["rng"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise UserError(f"checkpoint {path} does not fit this model and optimizer ({first}); "
+                        "resume it with the settings it was written with, or start a new run") from None
+
+
+def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
+    """Where a checkpoint continues, counted from 1 as the progress lines count."""
+    if epoch >= epochs:
+        return "the run was already complete"
+    if batch >= batches:
+        return f"epoch {epoch + 1}/{epochs} trained, its evaluation next"
+    return f"epoch {epoch + 1}/{epochs} at batch {batch + 1}/{batches}"
+
+
+def refuse_unfinished_run(path: Path) -> None:
+    """A new run must not replace the last.pt of an unfinished run, which --resume would continue."""
+    if not path.is_file():
+        return
+    try:
+        saved = load_checkpoint(path)
+    except UserError:
+        return  # unreadable, so there is nothing to continue
+    if saved.get("step", 0) < saved.get("total_steps", 0):
+        raise UserError(f"{path} holds an unfinished run (step {saved['step']} of {saved['total_steps']}); "
+                        "continue it with --resume, or pick another --out-dir, or delete the file to start "
+                        "over")
+
+
+def checkpoint_bytes(model: nn.Module, cfg: Config) -> int:
+    """About the size of last.pt: the weights plus the optimizer's copies (momentum; AdamW's two)."""
+    weights = sum(t.nbytes for t in model.state_dict().values())
+    return weights * (1 + (2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)))
+
+
+# ---------------------------------------------------------------- train.py's stop rules and --lr find
+
+class StopFlag:
+    """SIGINT/SIGTERM only set a flag; the loop saves a checkpoint after the step, then stops."""
+
+    def __init__(self):
+        self.signal = 0
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._set)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _set(self, signum, frame):
+        if self.signal:  # a second Ctrl-C means now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def now(self, log_point: bool, device: torch.device) -> bool:
+        """Stop after this step? Alone: as soon as a signal came. Under torchrun every rank must stop
+        at the same step (one that left would hang the others in DDP's next all-reduce), so they
+        agree by an all-reduce, at log points only, where the loop reads the device anyway."""
+        if not is_distributed():
+            return bool(self.signal)
+        return log_point and any_rank(bool(self.signal), device)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signal or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM
+
+
+# A logged training loss above this multiple of the run's first batch loss is not coming back
+# (lr_find.py stops its sweep at the same factor over its best loss).
+DIVERGENCE_FACTOR = 4.0
+
+
+def divergence(train_loss: float, start_loss: float) -> str | None:
+    """What says this logged training loss diverged, or None."""
+    if not math.isfinite(train_loss):
+        return f"train loss {train_loss}"
+    if start_loss > 0 and train_loss > DIVERGENCE_FACTOR * start_loss:
+        return f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start_loss:.4g}"
+    return None
+
+
+def diverged(what: str, step: int, at_lr: float, lr: float, last: Path, saved_step: int | None) -> UserError:
+    """The line a diverged run stops with: where, what to try, and what `last` (last.pt) holds."""
+    kept = "this run wrote no checkpoint" if saved_step is None else f"{last} still holds step {saved_step}"
+    return UserError(f"training diverged at step {step} ({what}; lr {at_lr:.3g}): try a lower --lr than "
+                     f"{lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
+                     f"to find one; {kept}")
+
+
+def find_lr(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, batches, amp_dtype,
+            scaler, device: torch.device) -> float:
+    """--lr find: lr_find.py's range test on train.py's model, data and a sweep `optimizer`; lr_find
+    puts the model and every RNG back bit for bit. Writes what lr_find.py writes.
+
+    Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
+    world_size of its batches per step, so each step sees the global batch as DDP will. All ranks
+    sweeping together would need the stop rule agreed at every step; one rank keeps lr_find as it is.
+    """
+    found = problem = None
+    world_size = dist.get_world_size() if is_distributed() else 1
+    if not is_distributed() or dist.get_rank() == 0:
+        import lr_find  # only here: train.py needs lr_find.py for --lr find alone
+
+        stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
+        loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing)
+        try:
+            with contextlib.closing(stream), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = lr_find.lr_find(
+                    model, optimizer, loss_fn, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
+                    num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * world_size,
+                    autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
+                    method=None if cfg.find_method == "auto" else cfg.find_method)
+            with reporting_write_errors(cfg.out_dir):
+                wrote = lr_find.save_sweep(result, cfg.to_dict(), cfg.out_dir)
+            found = result.suggestion
+            if found is None:
+                why = "; ".join(str(w.message) for w in caught) or "no usable points"
+                problem = (f"the range test suggested no learning rate ({why}); look at {wrote[-1]}, "
+                           "widen --find-start-lr/--find-end-lr or raise --find-iters, or pass --lr N")
+        except ValueError as err:  # lr_find's checks of its arguments; UserError included
+            problem = f"--lr find: {err}"
+        if found is not None:
+            alone = f"; rank 0 alone, {world_size}x its batches per step" if world_size > 1 else ""
+            print(f"lr find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
+                  f"{result.stop_reason}{alone}; suggested lr {found:.4g} ({result.method}); wrote "
+                  f"{', '.join(str(path) for path in wrote)}")
+    found, problem = from_rank0((found, problem))
+    if problem:
+        raise UserError(problem)
+    return found
+
+
 # ---------------------------------------------------------------- evaluation tallies and TensorBoard
 
 WORST_SHOWN = 16  # the most confidently wrong validation images in their figure
@@ -447,47 +700,132 @@ def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
     return SummaryWriter(str(out_dir)), None
 
 
-def log_hparams(writer, hparams: dict, metrics: tuple[str, ...]) -> None:
-    """The HPARAMS tab's row for this run. Its metric columns are the run's own scalar curves
-    (their last values), so no extra one-point charts appear in SCALARS as add_hparams() makes."""
-    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+class TensorBoard:
+    """Rank 0's TensorBoard writer for a train.py run (with active False, on the other ranks, every
+    call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
+    out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's)."""
 
-    for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
-        writer.file_writer.add_summary(summary)
+    def __init__(self, out_dir: Path, resumed_step: int | None, active: bool = True):
+        self.out_dir, self.writer, self.moved = out_dir, None, None  # moved: an earlier run's logs
+        if active:
+            quiet_tensorboard_thread()
+            with self._errors():
+                self.writer, self.moved = summary_writer(out_dir, resumed_step)
+
+    def _errors(self):
+        return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
+
+    def __enter__(self) -> TensorBoard:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is not None and self.writer:
+            with contextlib.suppress(OSError):
+                self.writer.close()
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer:
+            with self._errors():
+                self.writer.add_scalar(tag, value, step)
+
+    def inputs(self, inputs: torch.Tensor, targets: torch.Tensor, denormalize: Callable, names: list[str],
+               step: int) -> None:
+        """A training batch as the model receives it (after crop, flip, resize), back in pixels."""
+        if self.writer:
+            captions = [names[t] for t in targets[:INPUTS_SHOWN].tolist()]
+            pixels = denormalize(inputs[:INPUTS_SHOWN]).cpu()
+            with self._errors():
+                self.writer.add_image("inputs", image_grid(pixels, captions), step, dataformats="HWC")
+
+    def evaluation(self, val: Evaluation, names: list[str], denormalize: Callable, step: int) -> None:
+        """Loss and accuracy, the confusion matrix and the most confidently wrong images."""
+        if not self.writer:
+            return
+        with self._errors():
+            self.writer.add_scalar("val/loss", val.loss, step)
+            self.writer.add_scalar("val/acc", val.acc, step)
+            self.writer.add_image("val/confusion", confusion_picture(val.confusion, names), step,
+                                  dataformats="HWC")
+            if val.worst is None:
+                return
+            confidence, inputs, targets, predicted = val.worst
+            shown = [i for i, c in enumerate(confidence.tolist()) if c >= 0]  # -1 marks right answers
+            if not shown:
+                return
+            captions = [f"{names[t]} as {names[p]} {c:.0%}" for c, t, p in zip(
+                confidence[shown].tolist(), targets[shown].tolist(), predicted[shown].tolist(), strict=True)]
+            self.writer.add_image("val/most_confidently_wrong",
+                                  image_grid(denormalize(inputs).cpu()[shown], captions), step,
+                                  dataformats="HWC")
+
+    def finish(self, hparams: dict, metrics: tuple[str, ...] = ("val/acc", "val/loss")) -> None:
+        """The HPARAMS tab's row for this run, then flush and close. Its metric columns are the run's
+        own scalar curves (their last values), so no one-point charts appear as add_hparams() makes."""
+        if not self.writer:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        with self._errors():
+            for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.flush()  # raises what the writer thread met; close() would drop it
+            self.writer.close()
 
 
-def log_inputs(writer, pixels: torch.Tensor, targets: torch.Tensor, names: list[str], step: int) -> None:
-    """A training batch as the model receives it (after crop, flip, resize), back in pixels."""
-    captions = [names[t] for t in targets.tolist()]
-    writer.add_image("inputs", image_grid(pixels.cpu(), captions), step, dataformats="HWC")
+# ---------------------------------------------------------------- summaries
+
+SECONDS_COVER = ("seconds: this process's training loop, evaluation and checkpoints included, start-up "
+                 "not; total_seconds: the same over every part of the run")
+RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's time up to the checkpoint "
+                 "the next part resumed from (time after a part's last save was lost)")
 
 
-def log_evaluation(writer, evaluation: Evaluation, names: list[str], denormalize: Callable,
-                   step: int) -> None:
-    """The confusion matrix and the most confidently wrong images of a validation pass."""
-    writer.add_image("val/confusion", confusion_picture(evaluation.confusion, names), step,
-                     dataformats="HWC")
-    if evaluation.worst is None:
-        return
-    confidence, inputs, targets, predicted = evaluation.worst
-    pixels = denormalize(inputs).cpu()
-    shown = [i for i, c in enumerate(confidence.tolist()) if c >= 0]  # -1 marks right answers
-    if not shown:
-        return
-    captions = [f"{names[t]} as {names[p]} {c:.0%}" for c, t, p in zip(
-        confidence[shown].tolist(), targets[shown].tolist(), predicted[shown].tolist(), strict=True)]
-    writer.add_image("val/most_confidently_wrong", image_grid(pixels[shown], captions), step,
-                     dataformats="HWC")
+def run_summary(cfg: Config, lr: float, model: nn.Module, device: torch.device, val: Evaluation | None,
+                names: list[str], best_acc: float, steps: int, epoch_rates: list[float], seconds: float,
+                seconds_before: float, part: int) -> dict:
+    """summary.json. Every rank builds it: ranks_in_sync compares them, a collective."""
+    steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+    return {"val_acc": val.acc if val else math.nan, "val_loss": val.loss if val else math.nan,
+            "best_val_acc": best_acc, "epochs": cfg.epochs, "steps": steps, "seconds": seconds,
+            "total_seconds": seconds_before + seconds, "parts": part,
+            "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
+            "images_per_second": sum(steady) / len(steady) if steady else math.nan,
+            "lr": lr, "world_size": dist.get_world_size() if is_distributed() else 1, "device": str(device),
+            "ranks_in_sync": ranks_agree(model),
+            "per_class_acc": dict(zip(names, val.per_class_acc, strict=True)) if val else None}
 
 
-def write_png_atomic(path: str | Path, picture) -> None:
-    """A picture (H, W, 3 uint8 array) written whole or not at all, one line on failure."""
-    from PIL import Image
+def write_summary(summary: dict, cfg: Config, val: Evaluation | None, names: list[str],
+                  tensorboard: TensorBoard) -> None:
+    """A run's last words, on rank 0: TensorBoard's HPARAMS row, confusion.png, summary.json, a line."""
+    out_dir = Path(cfg.out_dir)
+    hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
+    tensorboard.finish({**hparams, "lr": summary["lr"]})
+    if val:
+        write_png_atomic(out_dir / "confusion.png", confusion_picture(val.confusion, names))
+    write_json_atomic(out_dir / "summary.json", summary)
+    total, parts = summary["total_seconds"], summary["parts"]
+    print(f"done: val acc {summary['val_acc']:.2%} (best {summary['best_val_acc']:.2%}) in "
+          f"{summary['seconds']:.1f}s{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}; logs "
+          f"and checkpoints in {out_dir}")
 
-    buffer = io.BytesIO()
-    Image.fromarray(picture).save(buffer, format="PNG")
-    data = buffer.getvalue()
-    _write_atomic(Path(path), lambda file: file.write(data), lambda: len(data))
+
+def report_evaluation(val: Evaluation, names: list[str], val_size: int, checkpoint: Path, step: int | None,
+                      dataset: str, out_dir: Path, is_main: bool) -> dict:
+    """--evaluate's report: printed, and written as eval.json and eval_confusion.png (rank 0)."""
+    report = {"checkpoint": str(checkpoint), "step": step, "dataset": dataset,
+              "val_size": val_size, "val_acc": val.acc, "val_loss": val.loss,
+              "per_class_acc": dict(zip(names, val.per_class_acc, strict=True)),
+              "confusion": val.confusion}
+    if is_main:
+        print(f"{checkpoint} on the {report['val_size']} {dataset} validation images: val acc "
+              f"{val.acc:.2%}  val loss {val.loss:.4f}")
+        for name, acc in report["per_class_acc"].items():
+            print(f"  {name:>12}  {'no images' if acc is None else f'{acc:.2%}'}")
+        write_json_atomic(out_dir / "eval.json", report)
+        write_png_atomic(out_dir / "eval_confusion.png", confusion_picture(val.confusion, names))
+        print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval_confusion.png'}")
+    return report
 
 
 # Pictures are drawn with PIL, which torchvision already needs: about 10 ms each, so they can be

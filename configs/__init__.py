@@ -336,6 +336,20 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
     return validate(Config(**values))
 
 
+# What --evaluate takes from its command line; the model and data settings come from the checkpoint.
+EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
+
+
+def evaluated_config(cfg: Config, given: dict, saved) -> Config:
+    """The config --evaluate runs with. A checkpoint of ours (`saved`: its config) is built as it was
+    trained and run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with cfg."""
+    if isinstance(saved, dict):
+        here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
+        cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, "resume": "",
+                        "init_from": "", "evaluate": str(Path(cfg.evaluate))})
+    return validate(cfg)
+
+
 def check_resumable(saved: dict, cfg: Config) -> None:
     """Refuse a resume whose config would change what the saved state means."""
     saved = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default

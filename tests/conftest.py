@@ -10,9 +10,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None):
-    """Run one of the project's scripts as a user would, from the repository root."""
+    """Run one of the project's scripts as a user would, from the repository root: `train.py`
+    as `python train.py`, a module such as `bench.speed` as `python -m bench.speed`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=full_env,
+    command = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
+    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 

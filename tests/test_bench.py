@@ -1,4 +1,4 @@
-"""bench.py --quick runs end to end and writes every headline number, each consistent with the
+"""`python -m bench.speed --quick` runs end to end and writes every headline number, each consistent with the
 measurements it was computed from; timings are only held to wide plausibility bounds."""
 
 import json
@@ -18,7 +18,7 @@ def positive(value) -> bool:
 
 def test_quick_bench_writes_all_keys(tmp_path, script):
     out = tmp_path / "bench.json"
-    result = script("bench.py", "--quick", "--device", "cpu", "--json", str(out), timeout=180)
+    result = script("bench.speed", "--quick", "--device", "cpu", "--json", str(out), timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "loop_vs_bare" in result.stdout and str(out) in result.stdout
     report = json.loads(out.read_text())

@@ -135,6 +135,7 @@ def test_choice_lists_agree_with_the_files_that_must_stay_standalone():
     import schedules
 
     assert configs.SCHEDULES == schedules.SCHEDULES
+    assert set(lr_find.SCHEDULES) == set(configs.SCHEDULES)  # what each schedule takes from a sweep
     assert set(configs.FIND_METHODS) - {"auto"} == set(lr_find.METHODS)
     assert set(data.TORCHVISION_SETS) | {"digits", "imagefolder", "synthetic"} == set(configs.DATASETS)
     import torch

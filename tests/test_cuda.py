@@ -1,6 +1,6 @@
 """The GPU self-check, skipped without a GPU.
 
-    python bench.py --device cuda && python -m pytest tests/test_cuda.py
+    python -m bench.speed --device cuda && python -m pytest tests/test_cuda.py
 
 No GPU had run this code when these tests were written. Whatever a CPU can show runs in
 tests/test_gpu_contract.py and tests/test_sync.py, whose helpers take a device; here they run on
@@ -195,7 +195,7 @@ def test_lr_find_restores_on_cuda(tmp_path):
 
 def test_bench_reports_cifar10_images_per_second_with_and_without_compile(tmp_path, script):
     out = tmp_path / "bench.json"
-    result = script("bench.py", "--quick", "--device", "cuda", "--json", str(out), timeout=600)
+    result = script("bench.speed", "--quick", "--device", "cuda", "--json", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rates = report["images_per_second"]

@@ -252,7 +252,7 @@ def test_failed_download_leaves_no_folders_it_created(tmp_path):
 
 
 def test_resume_header_counts_epochs_from_1():
-    assert train.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
-    assert train.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
-    assert train.position(3, 0, 3, 8) == "the run was already complete"
+    assert runtime.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
+    assert runtime.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
+    assert runtime.position(3, 0, 3, 8) == "the run was already complete"
 

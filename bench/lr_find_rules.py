@@ -1,4 +1,4 @@
-"""Benchmark lr_find's suggestions: `python bench_lr_find.py [--quick] [--seeds N] [--part P] [--json F]`.
+"""lr_find's suggestion rules: `python -m bench.lr_find_rules [--quick] [--seeds N] [--part P] [--json F]`.
 
 Quality: on a task where the learning rate moves val accuracy by several points (synthetic, 100
 classes of 1x8x8 images, 8192 train / 2048 val, resnet_small width 8, 2 epochs = 128 optimizer
@@ -36,15 +36,14 @@ import torch
 import torch.nn.functional as F
 
 import runtime
-from bench import sync
-from configs import Config, UserError, exit_with_error, parse_config
+from bench.speed import sync
+from configs import OPTIMIZERS, Config, UserError, exit_with_error, parse_config
 from data import build_loaders
 from lr_find import DEFAULT_RULES, METHODS, lr_find
 from models import build_model, build_optimizer
 
 TASK = ["--dataset", "synthetic", "--num-classes", "100", "--channels", "1", "--image-size", "8",
         "--synthetic-size", "8192", "--width", "8", "--epochs", "2"]
-OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = {"onecycle": "peak", "cosine": "base"}  # cosine stands for the schedules that start at their rate
 GRIDS = {"sgd": [0.01, 0.0316, 0.1, 0.316, 1.0, 3.16, 10.0],
          "adamw": [0.001, 0.00316, 0.01, 0.0316, 0.1, 0.316, 1.0]}
@@ -52,7 +51,7 @@ TLF_RANGE_TEST = {"end_lr": 10, "num_iter": 100}  # its defaults; start_lr: the 
 TLF_SKIP = (10, 5)  # skip_start, skip_end of torch-lr-finder's plot(suggest_lr=True)
 TARGETS = {"default_gap_pp": ">= -0.15", "default_minus_tlf_pp": ">= 0", "time_ratio": "<= 0.6",
            "stability_ratio": "< 1.5"}
-MISSING_TLF = ("bench_lr_find.py: torch-lr-finder is not importable (needed for the comparison); "
+MISSING_TLF = ("bench/lr_find_rules.py: torch-lr-finder is not importable (needed for the comparison); "
                "run `pip install --no-deps torch-lr-finder`")
 
 
@@ -132,8 +131,13 @@ def train_acc(flags: list[str], schedule: str, lr: float, tmp: str) -> float:
     import train
 
     cfg = parse_config([*flags, "--schedule", schedule, "--lr", repr(lr), "--out-dir", tmp])
-    with contextlib.redirect_stdout(io.StringIO()):
-        acc = float(train.train(cfg)["val_acc"])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            acc = float(train.train(cfg)["val_acc"])
+    except UserError as err:  # train.py's divergence guard stops such a run early
+        if not str(err).startswith("training diverged"):
+            raise
+        return 0.0
     return acc if math.isfinite(acc) else 0.0
 
 

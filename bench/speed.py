@@ -1,4 +1,4 @@
-"""Benchmark the template: `python bench.py [--device cpu|cuda] [--json FILE] [--quick] [--repeats N]`.
+"""Speed of the template: `python -m bench.speed [--device cpu|cuda] [--json FILE] [--quick] [--repeats N]`.
 
 Four questions, one run: does train.py's loop cost anything over a bare loop of the same model
 and data (loop_vs_bare), how much faster is the device-resident loader than a per-sample
@@ -8,7 +8,7 @@ also under torch.compile, by default on CUDA only). Ratios come from interleaved
 drift hits both sides alike) and are reported as median and min/max.
 
 The GPU self-check, a few minutes on one GPU:
-    python bench.py --device cuda && python -m pytest tests/test_cuda.py
+    python -m bench.speed --device cuda && python -m pytest tests/test_cuda.py
 
 On a CPU that other busy processes share, multi-threaded ops stall (OpenMP threads spin-wait for a
 preempted sibling) and run many times slower, so on CPU the ratios use one thread by default; the
@@ -40,7 +40,7 @@ from configs import Config, UserError, exit_with_error, parse_config
 from data import Batches, build_loaders
 from models import build_model, build_optimizer
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05"}
 
 
