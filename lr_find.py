@@ -73,9 +73,10 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     lrs[0], lrs[-1] = start_lr, end_lr
     restore, batches = _snapshot(model, optimizer, scaler), _cycle(loader)
     try:
-        losses, smoothed, stop_reason = _sweep(model, optimizer, loss_fn, batches, device, lrs, smooth,
-                                               diverge, accum_steps, autocast_dtype, scaler,
-                                               min_iter_before_stop, progress)
+        with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
+            losses, smoothed, stop_reason = _sweep(model, optimizer, loss_fn, batches, device, lrs, smooth,
+                                                   diverge, accum_steps, autocast_dtype, scaler,
+                                                   min_iter_before_stop, progress)
     finally:
         batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
         restore()
@@ -480,7 +481,6 @@ def _read_lag(device: torch.device) -> int:
     return 1 if device.type == "cuda" else 0
 
 
-@torch.enable_grad()
 def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge, accum_steps,
            autocast_dtype, scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], str]:
     """One optimizer step per lr of ``schedule`` until the stop rule fires: (losses, smoothed, why)."""
