@@ -41,7 +41,6 @@ PY
         return 1
     fi
 }
-hand_mutant train.py "scaled = loss / group_size if group_size > 1 else loss" "scaled = loss" \
-    tests/test_accumulation.py
-hand_mutant train.py 'restore_rng_state(ckpt["rng"])' 'pass' \
+hand_mutant train.py "scaled = loss / group_size" "scaled = loss" tests/test_accumulation.py
+hand_mutant runtime.py 'restore_rng_state(ckpt["rng"])' 'pass' \
     tests/test_resume.py::test_kill_9_mid_epoch_then_resume_is_bit_identical
