@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import builtins
 import copy
+import errno
+import io
 import json
 import math
 import os
@@ -13,11 +15,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -808,6 +812,41 @@ def test_tensors_inside_tuples_keep_their_identity():
     assert type(kept) is tuple and kept[0] is betas[0] and kept[1] is betas[1]
 
 
+def test_an_explicit_device_is_taken():
+    model, optimizer, loader = probe_setup()
+    result = lf.lr_find(model, optimizer, scripted_loss(bowl, optimizer), loader, start_lr=1e-5,
+                        diverge=1e9, device="cpu")
+    assert len(result.lrs) == 50 and result.suggestion is not None
+
+
+def test_a_nan_before_the_last_finite_point_is_no_blow_up():
+    """Only a non-finite loss past the last finite one means the sweep ended exploding."""
+    lrs = [10 ** (-4 + 4 * i / 39) for i in range(40)]
+    losses = [2.0 - i / 40 for i in range(40)]
+    losses[38] = math.nan
+    with pytest.warns(UserWarning, match="still falling at the end"):
+        assert lf.suggest_lr(lrs, losses) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lf.suggest_lr(lrs[:38] + lrs[39:] + [100.0], losses[:38] + losses[39:] + [math.nan]) == lrs[39]
+
+
+def test_minimum_on_a_flat_bottom_is_the_lowest_point():
+    curve = lf.SuggestionCurve([1e-3, 1e-2, 1e-1, 1.0, 10.0], [2.0, 1.0, 1.0, 1.0, 2.0], [0.0] * 5, 2, 2,
+                               False, None)
+    assert lf.minimum(curve) == pytest.approx(0.1)
+
+
+def test_why_no_suggestion_names_the_cause():
+    def curve(lowest: int, problem: str | None = None) -> lf.SuggestionCurve:
+        return lf.SuggestionCurve([10.0 ** k for k in range(-5, 1)], [1.0] * 6, [0.0] * 6, 2, lowest,
+                                  False, problem)
+
+    assert lf._why_none(curve(4)) == "the loss never decreases"
+    assert lf._why_none(curve(5)) == "the loss was still falling at the end of the sweep (raise end_lr)"
+    assert lf._why_none(curve(3, "only 4 usable points")) == "only 4 usable points"
+
+
 def test_batches_go_to_the_device_whole():
     """Nested lists, tuples and dicts of tensors move; anything else passes through."""
     t = torch.ones(2)
@@ -1005,6 +1044,9 @@ def test_save_sweep_writes_the_record_the_plot_and_one_tensorboard_image(tmp_pat
     assert events.Tags()["scalars"] == [] and events.Tags()["images"] == ["lr_find"]
     images = events.Images("lr_find")
     assert [(i.step, i.width, i.height) for i in images] == [(0, 840, 540)]
+    drawn = np.asarray(Image.open(io.BytesIO(images[0].encoded_image_string)))
+    assert np.array_equal(drawn, np.asarray(Image.open(out / "lr_find.png").convert("RGB")))
+    assert (out / "lr_find.json").read_text() == json.dumps(record, indent=2)  # for people to read
 
 
 @pytest.mark.parametrize("missing", ["matplotlib", "torch.utils.tensorboard"])
@@ -1035,6 +1077,7 @@ def test_a_failed_save_names_the_file_and_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError) as info:
         lf.save_sweep(bowl_sweep(), {}, tmp_path)
     assert info.value.filename == str(tmp_path / "lr_find.json") and info.value.strerror
+    assert info.value.errno == errno.EISDIR
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lr_find.json"]
 
 

@@ -277,6 +277,16 @@ def test_clip_grad_zero_is_off():
     assert torch.equal(model.weight, want)
 
 
+def test_clip_grad_clips_only_the_parameters_given():
+    model, opt = make_optimizer(momentum=0.0)
+    model(torch.ones(4, 2)).square().mean().mul(100).backward()
+    weight_grad = model.weight.grad.clone()
+    assert weight_grad.norm() > 1 and model.bias.grad.norm() > 1
+    assert optimizer_step(opt, clip_grad=1e-3, parameters=[model.bias]) is True
+    assert torch.equal(model.weight.grad, weight_grad)
+    assert model.bias.grad.norm() == pytest.approx(1e-3, rel=1e-3)
+
+
 def test_copied_alone_works(tmp_path):
     """One interpreter (torch imports slowly): import the lone copy, then run it as a script."""
     shutil.copy(Path(schedules.__file__), tmp_path / "schedules.py")
