@@ -35,9 +35,10 @@ import torch
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
 # The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (README, "Learning rate"):
-# started at full rate with no warmup, Adam-like optimizers blow up well below the sweep's bottom.
+# started at full rate with no warmup, Adam-like optimizers blow up well below the sweep's bottom,
+# and even under onecycle's warmup their best peak sits a little below it.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"},
-                 "adaptive": {"peak": "minimum", "base": "min/10"}}
+                 "adaptive": {"peak": "min/3", "base": "min/10"}}
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
             torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
@@ -176,7 +177,7 @@ def minimum(curve: SuggestionCurve) -> float | None:
 
 
 def min_over_3(curve: SuggestionCurve) -> float | None:
-    """A third of ``minimum``: a rate that SGD can start at and hold."""
+    """A third of ``minimum``: a rate SGD can start at and hold, and an Adam-like onecycle peak."""
     return None if (lr := minimum(curve)) is None else lr / 3
 
 
