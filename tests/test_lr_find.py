@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import builtins
 import copy
+import errno
+import io
+import json
 import math
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +100,7 @@ def snapshot(model, optimizer, scaler=None) -> dict:
         ],
         "scaler": None if scaler is None else scaler.state_dict(),
         "modes": [m.training for m in model.modules()],
+        "attributes": [sorted(vars(m)) for m in model.modules()],
     }
 
 
@@ -118,6 +126,7 @@ def assert_restored(before: dict, model, optimizer, scaler=None) -> None:
     assert after["groups"] == before["groups"]
     assert after["scaler"] == before["scaler"]
     assert after["modes"] == before["modes"]
+    assert after["attributes"] == before["attributes"]
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -419,7 +428,7 @@ def test_non_finite_loss_stops_at_once(bad):
     values[12] = bad
     model, optimizer, loader = probe_setup()
     result = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=30)
-    assert "non-finite" in result.stop_reason
+    assert result.stop_reason == "non-finite loss"
     assert len(result.lrs) == len(result.losses) == len(result.smoothed) == 13
     assert not math.isfinite(result.losses[-1]) and math.isnan(result.smoothed[-1])
     assert all(math.isfinite(s) for s in result.smoothed[:-1])
@@ -458,9 +467,14 @@ def test_one_shot_iterator_loader_is_an_error_that_still_restores():
     model, optimizer, _ = probe_setup()
     before = snapshot(model, optimizer)
     batches = iter([(torch.ones(2, 1), torch.zeros(2, 1))] * 3)
-    with pytest.raises(ValueError, match="loader.*empty"):
+    with pytest.raises(ValueError) as info:
         lf.lr_find(model, optimizer, F.mse_loss, batches, num_iter=10)
+    assert str(info.value) == ("loader is empty on re-iteration (a one-shot iterator?): lr_find needs a "
+                               "loader it can iterate again when num_iter * accum_steps exceeds its length")
     assert_restored(before, model, optimizer)
+    with pytest.raises(ValueError) as info:
+        lf.lr_find(model, optimizer, F.mse_loss, [], num_iter=10)
+    assert str(info.value) == "loader is empty: it yielded no batches"
 
 
 def frozen_model():
@@ -474,6 +488,7 @@ BAD_INPUTS = [
     ({"start_lr": -1e-3}, "start_lr"),
     ({"start_lr": 1.0, "end_lr": 0.5}, "start_lr"),
     ({"start_lr": 1.0, "end_lr": 1.0}, "start_lr"),
+    ({"end_lr": math.inf}, "start_lr"),
     ({"num_iter": 5}, "num_iter"),
     ({"accum_steps": 0}, "accum_steps"),
     ({"smooth": 1.0}, "smooth"),
@@ -483,12 +498,12 @@ BAD_INPUTS = [
     ({"schedule": "linear"}, "schedule"),
     ({"min_iter_before_stop": -1}, "min_iter_before_stop"),
     ({"loader": []}, "loader"),
-    ({"model": "frozen"}, "model"),
-    ({"optimizer": "empty"}, "optimizer"),
+    ({"model": "frozen"}, "^model has no trainable parameters$"),
+    ({"optimizer": "empty"}, "^optimizer has no parameters$"),
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "name"), BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+@pytest.mark.parametrize(("kwargs", "name"), BAD_INPUTS, ids=[n.strip("^$") for _, n in BAD_INPUTS])
 def test_bad_input_names_the_parameter(kwargs, name):
     model, optimizer, loader = probe_setup()
     kwargs = dict(kwargs)
@@ -601,16 +616,18 @@ def test_each_schedule_gets_its_own_rule(make_optimizer):
     assert other.suggestions["peak"] == result.suggestions["peak"]
 
 
-def test_raw_blow_up_stops_the_sweep_as_diverged():
-    """The moving average lags: here it never reaches 4x its best, but the raw losses explode."""
-    falling = [2.3 - 0.05 * i for i in range(26)]
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_raw_blow_up_stops_the_sweep_as_diverged(scale):
+    """The moving average lags: here it never reaches 4x its best, but the raw losses explode.
+    The rule is relative: a loss ten times smaller behaves the same."""
+    falling = [(2.3 - 0.05 * i) * scale for i in range(26)]
     model, optimizer, loader = probe_setup()
-    blown = lf.lr_find(model, optimizer, scripted_loss(falling + [1.5, 8.0, 9.0, 1.2] + [1.1] * 10),
-                       loader, num_iter=40)
-    assert blown.stop_reason == "diverged" and blown.losses[-2:] == [8.0, 9.0]
+    blown = lf.lr_find(model, optimizer, scripted_loss(falling + [v * scale for v in [1.5, 8.0, 9.0, 1.2]]
+                                                       + [1.1 * scale] * 10), loader, num_iter=40)
+    assert blown.stop_reason == "diverged" and blown.losses[-2:] == pytest.approx([8.0 * scale, 9.0 * scale])
     assert max(blown.smoothed) < 4 * min(blown.smoothed), "the old rule alone would not have stopped"
-    spike = lf.lr_find(model, optimizer, scripted_loss(falling + [1.0, 9.0, 1.0] + [1.0] * 11),
-                       loader, num_iter=40)
+    spike = lf.lr_find(model, optimizer, scripted_loss(falling + [v * scale for v in [1.0, 9.0, 1.0]]
+                                                       + [1.0 * scale] * 11), loader, num_iter=40)
     assert spike.stop_reason == "completed", "one spike is noise, not a blow-up"
 
 
@@ -629,3 +646,472 @@ def test_plot_draws_the_curve_the_rules_read_and_marks_every_schedule():
     chosen = [line for line in marks.values() if line.get_color() == "tab:red"]
     assert len(chosen) == 1 and chosen[0].get_xdata()[0] == result.for_schedule("cosine")
     assert any(line.get_xdata()[0] == result.for_schedule("onecycle") for line in marks.values())
+
+
+# --- the stop rule, the sweep loop and the restore, at their edges --------------------------------
+
+
+def test_defaults_sweep_50_steps_from_1e_7_to_10_and_stop_above_4x():
+    model, optimizer, loader = probe_setup()
+    flat = lf.lr_find(model, optimizer, scripted_loss([1.0] * 50), loader)
+    assert len(flat.lrs) == 50 and (flat.lrs[0], flat.lrs[-1]) == (1e-7, 10.0)
+    assert flat.stop_reason == "completed"
+    raised = lf.lr_find(model, optimizer, scripted_loss([1.0] * 20 + [4.5] * 30), loader)
+    assert raised.stop_reason == "diverged" and len(raised.lrs) == 22, "two raw losses above 4x"
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_stop_rule_edges():
+    """Strictly above diverge x the yardstick; a yardstick of zero stops nothing; diverge may be
+    any value above 1 and min_iter_before_stop may be 0."""
+    model, optimizer, loader = probe_setup()
+
+    def sweep(values, **kwargs):
+        return lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=len(values), **kwargs)
+
+    assert sweep([1.0] * 12 + [4.0] * 8, smooth=0.0).stop_reason == "completed", "exactly 4x is not above"
+    assert sweep([0.0] * 12 + [1.0] * 8).stop_reason == "completed"
+    early = sweep([1.0, 1.0] + [100.0] * 10, min_iter_before_stop=0)
+    assert (early.stop_reason, len(early.lrs)) == ("diverged", 3)
+    assert sweep([1.0] * 12 + [1.6] * 8, diverge=1.5).stop_reason == "diverged"
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_raw_yardstick_is_the_lowest_running_median_of_five():
+    """A loss falling by 0.8 a step has a median of five two steps back: a jump to 4.6x that
+    median is a blow-up, one to 3.6x is not (a median of six, or of all, or a lower quantile of
+    five would judge these differently)."""
+    falling = [0.8**i for i in range(20)]
+    model, optimizer, loader = probe_setup()
+    for jump, reason in ((4.6, "diverged"), (3.6, "completed")):
+        values = falling + [jump * falling[-3]] * 2 + [falling[-1]] * 6
+        result = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=len(values))
+        assert result.stop_reason == reason, jump
+
+
+def test_progress_sees_each_step_index_lr_and_loss():
+    values = [2.0 - 0.01 * i for i in range(12)]
+    model, optimizer, loader = probe_setup()
+    seen = []
+    result = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=12, diverge=1e9,
+                        progress=lambda *args: seen.append(args))
+    assert seen == list(zip(range(12), result.lrs, result.losses, strict=True))
+    assert result.losses == pytest.approx(values)
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_late_reads_of_a_sweep_that_completes(monkeypatch):
+    """With losses read one step late (CUDA), the last step is read after the loop."""
+    values = [2.0 - 0.01 * i for i in range(12)]
+    monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
+    model, optimizer, loader = probe_setup()
+    late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=12, diverge=1e9)
+    assert late.stop_reason == "completed" and late.losses == pytest.approx(values)
+    assert lf._read_lag(torch.device("cpu")) == 1  # the patch is what ran
+    monkeypatch.undo()
+    assert lf._read_lag(torch.device("cpu")) == 0 and lf._read_lag(torch.device("cuda")) == 1
+
+
+def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.0)
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        return F.mse_loss(out, y)
+
+    result = lf.lr_find(model, optimizer, loss_fn, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
+                        end_lr=1e-2)
+    assert seen == [[lr, lr] for lr in result.lrs]
+
+
+def test_tensor_lrs_of_two_groups_keep_their_ratio():
+    model = nn.Linear(1, 1)
+    lrs = torch.tensor(0.01), torch.tensor(0.03)
+    optimizer = torch.optim.Adam([{"params": [model.weight], "lr": lrs[0]},
+                                  {"params": [model.bias], "lr": lrs[1]}], foreach=False)
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append([float(g["lr"]) for g in optimizer.param_groups])
+        return F.mse_loss(out, y)
+
+    result = lf.lr_find(model, optimizer, loss_fn, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
+                        end_lr=1e-2, diverge=1e9)
+    assert seen == [pytest.approx([lr, 3 * lr], rel=1e-6) for lr in result.lrs]
+    assert [g["lr"] for g in optimizer.param_groups] == list(lrs)
+
+
+def test_a_parameter_without_a_gradient_in_a_step_is_left_alone():
+    """Gradients are set to None between steps (as train.py does), so a parameter that a step does
+    not use gets no momentum or weight decay update in it."""
+    model = nn.Linear(1, 1)
+    extra = nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([*model.parameters(), extra], lr=0.1, momentum=0.9, weight_decay=0.1)
+    calls, after = [], []
+    optimizer.register_step_post_hook(lambda *_: after.append(extra.detach().clone()))
+
+    def loss_fn(out, y):
+        calls.append(1)
+        return F.mse_loss(out, y) + (extra.sum() if len(calls) == 1 else 0)
+
+    lf.lr_find(model, optimizer, loss_fn, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
+               end_lr=1e-2, diverge=1e9)
+    assert not torch.equal(after[0], torch.ones(1)) and all(torch.equal(a, after[0]) for a in after)
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_autocast_dtype_and_scaler_are_used():
+    model, optimizer, loader = probe_setup()
+    dtypes, scaled = [], []
+
+    class CountingScaler(torch.amp.GradScaler):
+        def step(self, optimizer, *args, **kwargs):
+            scaled.append(1)
+            return super().step(optimizer, *args, **kwargs)
+
+    def loss_fn(out, y):
+        dtypes.append(out.dtype)
+        return F.mse_loss(out.float(), y)
+
+    lf.lr_find(model, optimizer, loss_fn, loader, num_iter=10, end_lr=1e-2,
+               autocast_dtype=torch.float16, scaler=CountingScaler("cpu"))
+    assert dtypes == [torch.float16] * 10 and len(scaled) == 10
+
+
+def test_buffers_a_forward_rebinds_are_put_back():
+    """`self.seen = self.seen + 1` in a forward re-binds the buffer; the restore binds the old one."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(1, 1)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen = self.seen + 1
+            return self.linear(x)
+
+    model = Counting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = model.seen
+    lf.lr_find(model, optimizer, F.mse_loss, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
+               end_lr=1e-2)
+    assert model.seen is seen and seen.item() == 0 and dict(model.named_buffers()) == {"seen": seen}
+
+
+def test_tensors_inside_tuples_keep_their_identity():
+    """Adam's betas may be a tuple of tensors: whoever holds them still sees the same tensors."""
+    model = nn.Linear(1, 1)
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=betas)
+    lf.lr_find(model, optimizer, F.mse_loss, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
+               end_lr=1e-2)
+    kept = optimizer.param_groups[0]["betas"]
+    assert type(kept) is tuple and kept[0] is betas[0] and kept[1] is betas[1]
+
+
+def test_an_explicit_device_is_taken():
+    model, optimizer, loader = probe_setup()
+    result = lf.lr_find(model, optimizer, scripted_loss(bowl, optimizer), loader, start_lr=1e-5,
+                        diverge=1e9, device="cpu")
+    assert len(result.lrs) == 50 and result.suggestion is not None
+
+
+def test_a_nan_before_the_last_finite_point_is_no_blow_up():
+    """Only a non-finite loss past the last finite one means the sweep ended exploding."""
+    lrs = [10 ** (-4 + 4 * i / 39) for i in range(40)]
+    losses = [2.0 - i / 40 for i in range(40)]
+    losses[38] = math.nan
+    with pytest.warns(UserWarning, match="still falling at the end"):
+        assert lf.suggest_lr(lrs, losses) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lf.suggest_lr(lrs[:38] + lrs[39:] + [100.0], losses[:38] + losses[39:] + [math.nan]) == lrs[39]
+
+
+def test_minimum_on_a_flat_bottom_is_the_lowest_point():
+    curve = lf.SuggestionCurve([1e-3, 1e-2, 1e-1, 1.0, 10.0], [2.0, 1.0, 1.0, 1.0, 2.0], [0.0] * 5, 2, 2,
+                               False, None)
+    assert lf.minimum(curve) == pytest.approx(0.1)
+
+
+def test_why_no_suggestion_names_the_cause():
+    def curve(lowest: int, problem: str | None = None) -> lf.SuggestionCurve:
+        return lf.SuggestionCurve([10.0 ** k for k in range(-5, 1)], [1.0] * 6, [0.0] * 6, 2, lowest,
+                                  False, problem)
+
+    assert lf._why_none(curve(4)) == "the loss never decreases"
+    assert lf._why_none(curve(5)) == "the loss was still falling at the end of the sweep (raise end_lr)"
+    assert lf._why_none(curve(3, "only 4 usable points")) == "only 4 usable points"
+
+
+def test_batches_go_to_the_device_whole():
+    """Nested lists, tuples and dicts of tensors move; anything else passes through."""
+    t = torch.ones(2)
+    moved = lf._to_device({"x": [t, (t, 3)], "name": "keep"}, torch.device("meta"))
+    assert moved.keys() == {"x", "name"} and moved["name"] == "keep"
+    assert type(moved["x"]) is list and type(moved["x"][1]) is tuple and moved["x"][1][1] == 3
+    assert moved["x"][0].is_meta and moved["x"][1][0].is_meta and not t.is_meta
+
+
+# --- results, warnings and messages ---------------------------------------------------------------
+
+
+def test_result_api_defaults_and_messages():
+    model, optimizer, loader = probe_setup()
+    result = lf.lr_find(model, optimizer, scripted_loss(bowl, optimizer), loader, start_lr=1e-5,
+                        diverge=1e9)
+    assert result.suggest() == result.suggest("minimum") is not None
+    with pytest.raises(ValueError) as info:
+        result.for_schedule("linear")
+    assert str(info.value) == ("schedule must be one of ('onecycle', 'constant', 'step', 'cosine', "
+                               "'warmup'), got 'linear'")
+
+
+def test_no_suggestion_warning_points_at_the_caller():
+    model, optimizer, loader = probe_setup()
+    with pytest.warns(UserWarning) as caught:
+        lf.lr_find(model, optimizer, scripted_loss([2.0 - 0.01 * i for i in range(12)]), loader,
+                   num_iter=12, diverge=1e9)
+    assert [str(w.message) for w in caught] == [
+        "lr_find: no suggestion, the loss was still falling at the end of the sweep (raise end_lr)"]
+    assert caught[0].filename == __file__
+
+
+# --- the curve the rules read, and the rules, on hand-made curves ---------------------------------
+
+
+def reference_curve(lrs: list[float], losses: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """suggestion_curve's smoothing as its docstring states it, in numpy: a running median of five
+    (of three, then the point itself, towards the ends), then a Gaussian in log10(lr) with sigma =
+    max(0.25 decades, 1.5 x the median spacing), cut at four sigmas; slopes are central differences
+    (one-sided at the ends) per decade."""
+    x, raw = np.log10(lrs), np.asarray(losses)
+    n = len(x)
+    y = np.array([raw[0], np.median(raw[:3]), *[np.median(raw[i - 2:i + 3]) for i in range(2, n - 2)],
+                  np.median(raw[-3:]), raw[-1]])
+    sigma = max(0.25, 1.5 * np.median(np.diff(x)))
+    near = np.abs(x[:, None] - x[None, :]) <= 4 * sigma
+    w = np.exp(-0.5 * ((x[None, :] - x[:, None]) / sigma) ** 2) * near
+    loss = (w @ y) / w.sum(axis=1)
+    a, b = np.maximum(np.arange(n) - 1, 0), np.minimum(np.arange(n) + 1, n - 1)
+    slope = (loss[b] - loss[a]) / (x[b] - x[a])
+    return loss, slope
+
+
+@pytest.mark.parametrize("spacing", ["dense", "coarse"])
+def test_suggestion_curve_matches_its_description(spacing):
+    """Dense: 60 points 0.07 decades apart (sigma 0.25 decades). Coarse: 30 points, 12 gaps of 0.1
+    and 17 of 0.29 decades (sigma 1.5 x 0.29). Distinct noisy losses, so every window shows. No two
+    points lie exactly 4 sigmas apart, where rounding alone decides whether the window holds them."""
+    rng = np.random.default_rng(0)
+    if spacing == "dense":
+        x = -5 + 0.07 * np.arange(60)
+    else:
+        gaps = [0.29, 0.1] * 12 + [0.29] * 5
+        x = -5 + np.concatenate([[0.0], np.cumsum(gaps)])
+    lrs = (10**x).tolist()
+    losses = (2 - np.tanh(2 * (x - x.mean())) + 0.3 * rng.standard_normal(len(x))).tolist()
+    curve = lf.suggestion_curve(lrs, losses)
+    loss, slope = reference_curve(lrs, losses)
+    assert curve.lrs == lrs and curve.problem is None and not curve.exploded
+    assert curve.loss == pytest.approx(loss.tolist(), rel=1e-12)
+    assert curve.slope == pytest.approx(slope.tolist(), rel=1e-9, abs=1e-12)
+    assert curve.first == max(2, len(lrs) // 10)
+    assert curve.lowest == curve.first + int(np.argmin(loss[curve.first:]))
+
+
+def test_suggestion_curve_inputs_and_edges():
+    lrs, losses = curve_lrs(20), [bowl(lr) for lr in curve_lrs(20)]
+    with pytest.raises(ValueError):
+        lf.suggestion_curve(lrs, losses[:-1])  # one loss per lr
+    padded = lf.suggestion_curve([0.0, *lrs, math.inf], [1.0, *losses, 1.0])
+    assert padded == lf.suggestion_curve(lrs, losses), "lrs of 0 or inf are not points"
+    assert lf.suggestion_curve(lrs[:7], losses[:7]).problem is None, "7 points are the fewest"
+    assert lf.suggestion_curve(lrs[:6], losses[:6]) == lf.SuggestionCurve(
+        lrs[:6], losses[:6], [], 2, 2, False, "only 6 usable points")
+    assert lf.suggestion_curve(lrs, sorted(losses)).problem == "the loss never decreases"
+    twice = lf.suggestion_curve([lrs[0], *lrs], [losses[0], *losses])  # a repeated lr is no division by 0
+    assert twice.slope[0] == 0.0 and twice.problem is None
+
+
+def test_only_a_non_finite_loss_past_the_last_finite_one_is_a_blow_up():
+    lrs = curve_lrs(40)
+    falling = [3.0 - i / 40 for i in range(40)]
+    with pytest.warns(UserWarning, match="still falling"):
+        assert lf.suggest_lr(lrs, falling[:20] + [math.nan] + falling[21:]) is None
+    assert not lf.suggestion_curve(lrs, [math.nan, *falling[1:]]).exploded
+    assert lf.suggestion_curve(lrs, [*falling[:-1], math.nan]).exploded
+
+
+def hand_curve(loss: list[float], first: int = 2, spacing: float = 0.1, exploded: bool = False,
+               x: list[float] | None = None) -> lf.SuggestionCurve:
+    """A curve the rules can read, built by hand: these losses, as they are, at log10(lr) = x."""
+    x = x or [-4 + spacing * i for i in range(len(loss))]
+    n = len(loss)
+    ends = [(max(i - 1, 0), min(i + 1, n - 1)) for i in range(n)]
+    slope = [(loss[b] - loss[a]) / (x[b] - x[a]) for a, b in ends]
+    lowest = min(range(first, n), key=loss.__getitem__)
+    return lf.SuggestionCurve([10**v for v in x], list(loss), slope, first, lowest, exploded, None)
+
+
+def test_minimum_is_the_vertex_of_the_parabola_through_the_lowest_point_and_its_neighbours():
+    x = [-4.0, -3.8, -3.5, -3.45, -3.3, -3.0, -2.9, -2.5]  # uneven on purpose
+    bottom = -3.41
+    curve = hand_curve([(v - bottom) ** 2 + 1 for v in x], x=x)
+    assert curve.lowest == 3
+    assert lf.minimum(curve) == pytest.approx(10**bottom, rel=1e-9)
+    assert lf.min_over_3(curve) == pytest.approx(10**bottom / 3, rel=1e-9)
+
+
+VALLEYS = [  # (loss, index valley picks or None); first = 2
+    ([5, 20, 8, 7, 6.5, 8, 9, 9.5], 3),  # 2/3 of the fall from 8 to 6.5 is 7: reached exactly at 3
+    ([9, 9, 5, 6, 5.5, 5, 4.8, 9], 5),  # a rise right after `first` starts the run at 3
+    ([9, 9, 20, 10, 10, 9, 8.9, 30], 5),  # a flat step ends a run
+    ([9, 9, 10, 8, 9, 7, 8, 6, 20], None),  # never two falls in a row
+    ([9, 9, 10, 8, 7, 6, 9, 8.5, 20], 4),  # the longest run wins over a later short one
+    ([9, 9, 10, 8, 7, 12, 11, 10.5, 30], 3),  # equally long: the first; two falls are enough
+    ([1, 1, 10, 8, 7, 12, 30], 3),  # the pick lies in the run, not before it
+    ([9, 9, 10, 9.9, 9.8, 4, 30], 5),  # 2/3 of the drop reached only at its end
+]
+
+
+@pytest.mark.parametrize(("loss", "index"), VALLEYS)
+def test_valley_on_hand_made_curves(loss, index):
+    curve = hand_curve([float(v) for v in loss])
+    assert lf.valley(curve) == (None if index is None else curve.lrs[index])
+
+
+def test_steepest_on_hand_made_curves():
+    def curve_with(n: int, slopes: dict[int, float], lowest: int) -> lf.SuggestionCurve:
+        slope = [-1.0] * n
+        for i, v in slopes.items():
+            slope[i] = v
+        return lf.SuggestionCurve(curve_lrs(n), [0.0] * n, slope, max(2, n // 10), lowest, True, None)
+
+    # never before `first`, never in the last 5% (at least 2 points), up to the lowest point
+    c = curve_with(50, {1: -500.0, 47: -100.0, 48: -200.0, 49: -300.0}, lowest=49)
+    assert lf.steepest(c) == c.lrs[47]
+    c = curve_with(60, {57: -100.0, 58: -200.0}, lowest=59)
+    assert lf.steepest(c) == c.lrs[6]
+    c = curve_with(30, {15: -50.0, 20: -80.0}, lowest=15)
+    assert lf.steepest(c) == c.lrs[15]
+    # None when nothing up to the lowest point falls: a dip below `first` makes every slope >= 0
+    for left in (0.5, 0.9):
+        c = hand_curve([0.4, left, 1.0, 0.9, 5.0, 6.0, 7.0, 8.0], spacing=1.0)
+        assert c.lowest == 3 and min(c.slope[2:4]) >= 0
+        assert lf.steepest(c) is None
+
+
+# --- saving and drawing a sweep -------------------------------------------------------------------
+
+
+def bowl_sweep(schedule: str = "cosine") -> lf.LRFindResult:
+    """A sweep down a bowl from 1e-5 that blows up at its end (a non-finite last loss)."""
+    model, optimizer, loader = probe_setup()
+    lrs = [10 ** (-5 + 6 * i / 49) for i in range(50)]
+    values = [bowl(lr) for lr in lrs[:49]] + [math.inf]
+    return lf.lr_find(model, optimizer, scripted_loss(values), loader, start_lr=1e-5, end_lr=10.0,
+                      num_iter=50, diverge=1e9, schedule=schedule)
+
+
+def test_save_sweep_writes_the_record_the_plot_and_one_tensorboard_image(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = bowl_sweep()
+    out = tmp_path / "new" / "dir"
+    for _ in range(2):  # a second save replaces the first
+        wrote = lf.save_sweep(result, {"seed": 3}, out)
+    assert wrote == [out / "lr_find.json", out / "lr_find.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["lr_find", "lr_find.json", "lr_find.png"]
+    record = json.loads((out / "lr_find.json").read_text())
+    peak, base = result.suggestions["peak"], result.suggestions["base"]
+    assert record == {
+        "lrs": result.lrs, "losses": [*result.losses[:-1], None], "smoothed": [*result.smoothed[:-1], None],
+        "stop_reason": "non-finite loss", "schedule": "cosine", "suggestion": base[0], "method": "min/3",
+        "optimizer_kind": "sgd", "config": {"seed": 3},
+        "suggestions": {"peak": {"lr": peak[0], "method": "minimum", "schedules": ["onecycle"]},
+                        "base": {"lr": base[0], "method": "min/3",
+                                 "schedules": ["constant", "step", "cosine", "warmup"]}}}
+    png = (out / "lr_find.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (840, 540)
+    events = EventAccumulator(str(out / "lr_find"), size_guidance={"images": 0})
+    events.Reload()
+    assert events.Tags()["scalars"] == [] and events.Tags()["images"] == ["lr_find"]
+    images = events.Images("lr_find")
+    assert [(i.step, i.width, i.height) for i in images] == [(0, 840, 540)]
+    drawn = np.asarray(Image.open(io.BytesIO(images[0].encoded_image_string)))
+    assert np.array_equal(drawn, np.asarray(Image.open(out / "lr_find.png").convert("RGB")))
+    assert (out / "lr_find.json").read_text() == json.dumps(record, indent=2)  # for people to read
+
+
+@pytest.mark.parametrize("missing", ["matplotlib", "torch.utils.tensorboard"])
+def test_save_sweep_without_matplotlib_or_tensorboard_says_what_to_install(tmp_path, monkeypatch, missing):
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if missing == "matplotlib" and name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+        if name == missing:  # what torch says when tensorboard is not installed
+            raise ImportError("TensorBoard logging requires TensorBoard version 1.15 or above")
+        return real_import(name, *args, **kwargs)
+
+    result = bowl_sweep()
+    if missing != "matplotlib":
+        pytest.importorskip("matplotlib")
+    monkeypatch.setattr(builtins, "__import__", without)
+    wrote = lf.save_sweep(result, {}, tmp_path)
+    if missing == "matplotlib":
+        assert wrote == [tmp_path / "lr_find.json", "no plot (pip install matplotlib)"]
+    else:
+        assert wrote == [tmp_path / "lr_find.json", tmp_path / "lr_find.png",
+                         "no TensorBoard image (pip install tensorboard)"]
+
+
+def test_a_failed_save_names_the_file_and_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "lr_find.json").mkdir()  # a folder where the file should go
+    with pytest.raises(OSError) as info:
+        lf.save_sweep(bowl_sweep(), {}, tmp_path)
+    assert info.value.filename == str(tmp_path / "lr_find.json") and info.value.strerror
+    assert info.value.errno == errno.EISDIR
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr_find.json"]
+
+
+def test_plot_looks_as_described():
+    """Raw loss faint, the smoothed curve solid, the chosen schedule's suggestion red and solid,
+    the other grey and dashed; the y range holds the descent (lowest raw loss to the first, 8%
+    margins), not the blow-up; 7 x 4.5 inches at 120 dpi."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_rgba
+    from matplotlib.font_manager import FontProperties
+
+    model, optimizer, loader = probe_setup()
+    lrs = [10 ** (-5 + 5 * i / 59) for i in range(60)]
+    values = [3.0 - 2.0 * i / 39 for i in range(40)] + [1.0] * 10 + [1.0 + 10.0 * i for i in range(10)]
+    result = lf.lr_find(model, optimizer, scripted_loss(values), loader, start_lr=lrs[0], end_lr=lrs[-1],
+                        num_iter=60, diverge=1e9, schedule="cosine")
+    fig = lf.plot_lr_find(result)
+    assert tuple(fig.get_size_inches()) == (7.0, 4.5) and fig.dpi == 120
+    assert type(fig.get_layout_engine()).__name__ == "ConstrainedLayoutEngine"
+    ax = fig.axes[0]
+    raw, smoothed, *marks = ax.get_lines()
+    assert (raw.get_label(), raw.get_alpha(), raw.get_linewidth()) == ("loss per step", 0.3, 1)
+    assert list(raw.get_xdata()) == result.lrs and list(raw.get_ydata()) == result.losses
+    assert (smoothed.get_label(), smoothed.get_alpha(), smoothed.get_linewidth()) == (
+        "smoothed: what the rules read", None, 2)
+    assert to_rgba(raw.get_color()) == to_rgba(smoothed.get_color()) == to_rgba("tab:blue")
+    (peak_lr, peak_rule), (base_lr, base_rule) = result.suggestions["peak"], result.suggestions["base"]
+    looks = [(m.get_label(), to_rgba(m.get_color()), m.get_linestyle(), m.get_linewidth()) for m in marks]
+    assert looks == [
+        (f"onecycle peak ({peak_rule}): {peak_lr:.3g}", to_rgba("tab:gray"), "--", 1),
+        (f"constant/step/cosine/warmup ({base_rule}): {base_lr:.3g}", to_rgba("tab:red"), "-", 2.5)]
+    assert ax.get_ylim() == pytest.approx((1.0 - 0.16, 3.0 + 0.16), rel=1e-6)
+    assert ax.get_xscale() == "log" and (ax.get_xlabel(), ax.get_ylabel()) == ("learning rate", "loss")
+    assert ax.get_title() == "LR range test, 60 steps, completed; red: for --schedule cosine"
+    legend = ax.get_legend()
+    assert legend._loc == matplotlib.legend.Legend.codes["lower left"]
+    assert legend.get_texts()[0].get_fontsize() == FontProperties(size="small").get_size_in_points()

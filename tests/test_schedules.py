@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import schedules
 from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, steps_per_epoch
@@ -23,6 +24,8 @@ def make_optimizer(kind="sgd", momentum=0.9):
     groups = [{"params": [model.weight], "lr": BASES[0]}, {"params": [model.bias], "lr": BASES[1]}]
     if kind == "adam":
         return model, torch.optim.Adam(groups)
+    if kind == "fused":
+        return model, torch.optim.Adam(groups, fused=True)
     return model, torch.optim.SGD(groups, momentum=momentum)
 
 
@@ -67,13 +70,21 @@ def test_lambda_schedules_match_closed_form(name, T, W, step_size):
         assert seen[0][0] > 0 and math.isclose(seen[W - 1][0], BASES[0], rel_tol=1e-12)
 
 
-def test_step_and_cosine_defaults():
+@pytest.mark.parametrize(("T", "W", "step_size"), [(30, 3, 9), (31, 3, 10), (3, 0, 1), (3, 1, 1)])
+def test_step_default_decays_at_a_third_and_two_thirds_after_warmup(T, W, step_size):
     _, opt = make_optimizer()
-    seen = run(opt, build_scheduler(opt, "step", 30, warmup_steps=3), 30)
-    assert [round(lrs[0] / BASES[0], 12) for lrs in seen[3::9]] == [1.0, 0.1, 0.01]
+    seen = [lrs[0] for lrs in run(opt, build_scheduler(opt, "step", T, warmup_steps=W), T)]
+    want = [closed_form("step", k, BASES[0], T, W, step_size) for k in range(T)]
+    assert seen == pytest.approx(want, rel=1e-12)
+
+
+def test_cosine_defaults_and_edges():
     _, opt = make_optimizer()
     seen = run(opt, build_scheduler(opt, "cosine", 100), 100)
     assert seen[0][0] == BASES[0] and 0 < seen[-1][0] < 1e-3 * BASES[0]
+    _, opt = make_optimizer()  # min_lr_ratio 1: flat after the warmup
+    seen = run(opt, build_scheduler(opt, "cosine", 6, warmup_steps=2, min_lr_ratio=1.0), 6)
+    assert [lrs[0] for lrs in seen] == pytest.approx([0.05, 0.1, 0.1, 0.1, 0.1, 0.1], rel=1e-12)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 11, 100])
@@ -83,6 +94,7 @@ def test_step_and_cosine_defaults():
         {},
         {"pct_start": 0.25, "div_factor": 10.0},
         {"three_phase": True, "anneal_strategy": "linear"},
+        {"div_factor": 1.0, "final_div_factor": 100.0},
     ],
 )
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
@@ -98,7 +110,13 @@ def test_onecycle_equals_torch(T, options, kind):
     _, opt = make_optimizer(kind)
     seen = run(opt, build_scheduler(opt, "onecycle", T, **options), T)
     for g, base in enumerate(BASES):
-        assert seen[-1][g] == pytest.approx(base / options.get("div_factor", 25.0) / 1e4)
+        final = base / options.get("div_factor", 25.0) / options.get("final_div_factor", 1e4)
+        assert seen[-1][g] == pytest.approx(final)
+
+
+def test_onecycle_max_lr_zero_is_allowed():
+    _, opt = make_optimizer()
+    assert run(opt, build_scheduler(opt, "onecycle", 6, max_lr=0.0), 6) == [[0.0, 0.0]] * 6
 
 
 def test_onecycle_never_adds_momentum():
@@ -116,6 +134,10 @@ def test_onecycle_never_adds_momentum():
     _, opt = make_optimizer("adam")
     betas = run(opt, build_scheduler(opt, "onecycle", 20), 20, "betas")
     assert betas[0][0] == (0.9, 0.999) and min(b[0][0] for b in betas) == pytest.approx(0.85)
+    opt, ref_opt = (torch.optim.Adagrad(nn.Linear(2, 2).parameters(), lr=0.1) for _ in range(2))
+    ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.1, total_steps=20, cycle_momentum=False)
+    assert run(opt, build_scheduler(opt, "onecycle", 20), 20) == run(ref_opt, ref, 20)
+    assert "momentum" not in opt.param_groups[0]  # an optimizer without momentum gets none
 
 
 def loop(model, opt, sched, scaler, micro_batches, accum=1, bad=(), clip=None):
@@ -157,6 +179,32 @@ def test_grad_scaler_skipped_steps_do_not_advance_schedule(clip):
     )
 
 
+class HostReads(TorchDispatchMode):
+    """Counts reads from the device (.item(), float(t), bool(t)) made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused"])
+def test_grad_scaler_skips_are_told_with_one_read_per_step(kind):
+    """A fused optimizer is called even on a skipped step (it skips on the device), so its skips
+    are told from the scale: read once per step, plus once on the first call with a scaler."""
+    model, opt = make_optimizer(kind)
+    sched = build_scheduler(opt, "cosine", 10, warmup_steps=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with HostReads() as reads:
+        results = loop(model, opt, sched, scaler, 8, bad=(0, 1, 2))
+    assert results == [False] * 3 + [True] * 5
+    assert sched.last_epoch == 5 and scaler.get_scale() == 2.0**7
+    assert reads.count == 8 + (kind == "fused")
+
+
 def test_disabled_scaler_and_no_scaler_always_step():
     for scaler in (torch.amp.GradScaler("cpu", enabled=False), None):
         model, opt = make_optimizer()
@@ -184,6 +232,7 @@ def test_gradient_accumulation_step_counts(batches, accum):
 
 
 def test_epochs_to_steps():
+    assert steps_per_epoch(7) == 7
     assert epochs_to_steps(1, 10) == 10
     assert epochs_to_steps(0.5, 10, 3) == 2
     assert epochs_to_steps(2, 7, 2) == 8
@@ -220,6 +269,24 @@ def test_resume_matches_uninterrupted_run(name, W, options, j):
     assert first + run(opt, sched, T - j, "lr", "momentum") == full
 
 
+def test_clip_grad_zero_is_off():
+    model, opt = make_optimizer(momentum=0.0)
+    model(torch.ones(4, 2)).square().mean().backward()
+    want = model.weight - BASES[0] * model.weight.grad
+    assert optimizer_step(opt, clip_grad=0) is True
+    assert torch.equal(model.weight, want)
+
+
+def test_clip_grad_clips_only_the_parameters_given():
+    model, opt = make_optimizer(momentum=0.0)
+    model(torch.ones(4, 2)).square().mean().mul(100).backward()
+    weight_grad = model.weight.grad.clone()
+    assert weight_grad.norm() > 1 and model.bias.grad.norm() > 1
+    assert optimizer_step(opt, clip_grad=1e-3, parameters=[model.bias]) is True
+    assert torch.equal(model.weight.grad, weight_grad)
+    assert model.bias.grad.norm() == pytest.approx(1e-3, rel=1e-3)
+
+
 def test_copied_alone_works(tmp_path):
     """One interpreter (torch imports slowly): import the lone copy, then run it as a script."""
     shutil.copy(Path(schedules.__file__), tmp_path / "schedules.py")
@@ -241,53 +308,65 @@ runpy.run_path("schedules.py", run_name="__main__")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["schedules.py"]
 
 
+RANGE_10 = "an int in [0, total_steps) = [0, 10)"
+ONE_PER_GROUP = "a number >= 0 or a list of 2, one per group"
 BAD = [
-    ("nope", 10, {}, "name must be one of constant, step"),
-    ("cosine", 0, {}, "total_steps"),
-    ("cosine", True, {}, "total_steps"),
-    ("cosine", 2.0, {}, "total_steps"),
-    ("cosine", 10, {"warmup_steps": -1}, "warmup_steps"),
-    ("cosine", 10, {"warmup_steps": 10}, "warmup_steps"),
-    ("cosine", 1, {"warmup_steps": 1}, "warmup_steps"),
-    ("warmup", 10, {"warmup_steps": 1.5}, "warmup_steps"),
-    ("step", 10, {"gamma": 0}, "gamma"),
-    ("step", 10, {"gamma": -0.5}, "gamma"),
-    ("step", 10, {"step_size": 0}, "step_size"),
-    ("step", 10, {"step_size": 2.5}, "step_size"),
-    ("cosine", 10, {"min_lr_ratio": -0.1}, "min_lr_ratio"),
-    ("cosine", 10, {"min_lr_ratio": 1.5}, "min_lr_ratio"),
-    ("onecycle", 10, {"max_lr": -1.0}, "max_lr"),
-    ("onecycle", 10, {"max_lr": [0.1, -1.0]}, "max_lr"),
-    ("onecycle", 10, {"max_lr": [0.1]}, "max_lr"),
-    ("onecycle", 10, {"pct_start": 0}, "pct_start"),
-    ("onecycle", 10, {"pct_start": 1}, "pct_start"),
-    ("onecycle", 10, {"pct_start": 1.2}, "pct_start"),
-    ("onecycle", 10, {"pct_start": 0.1}, "pct_start"),
-    ("onecycle", 10, {"pct_start": 0.6, "three_phase": True}, "pct_start"),
-    ("onecycle", 10, {"div_factor": 0}, "div_factor"),
-    ("onecycle", 10, {"anneal_strategy": "exp"}, "anneal_strategy"),
-    ("onecycle", 10, {"warmup_steps": 2}, "warmup_steps.*pct_start"),
-    ("cosine", 10, {"gamma": 0.1}, "'gamma' for cosine; accepted: .'min_lr_ratio'."),
-    ("constant", 10, {"step_size": 2}, "'step_size' for constant"),
+    ("nope", 10, {}, "name must be one of constant, step, onecycle, warmup, cosine; got 'nope'"),
+    ("cosine", 0, {}, "total_steps must be an int >= 1; got 0"),
+    ("cosine", True, {}, "total_steps must be an int >= 1; got True"),
+    ("cosine", 2.0, {}, "total_steps must be an int >= 1; got 2.0"),
+    ("cosine", 10, {"warmup_steps": -1}, f"warmup_steps must be {RANGE_10}; got -1"),
+    ("cosine", 10, {"warmup_steps": 10}, f"warmup_steps must be {RANGE_10}; got 10"),
+    ("cosine", 1, {"warmup_steps": 1}, "warmup_steps must be an int in [0, total_steps) = [0, 1); got 1"),
+    ("warmup", 10, {"warmup_steps": 1.5}, f"warmup_steps must be {RANGE_10}; got 1.5"),
+    ("step", 10, {"gamma": 0}, "gamma must be a number > 0; got 0"),
+    ("step", 10, {"gamma": -0.5}, "gamma must be a number > 0; got -0.5"),
+    ("step", 10, {"step_size": 0}, "step_size must be an int >= 1; got 0"),
+    ("step", 10, {"step_size": 2.5}, "step_size must be an int >= 1; got 2.5"),
+    ("cosine", 10, {"min_lr_ratio": -0.1}, "min_lr_ratio must be in [0, 1]; got -0.1"),
+    ("cosine", 10, {"min_lr_ratio": 1.5}, "min_lr_ratio must be in [0, 1]; got 1.5"),
+    ("cosine", 10, {"min_lr_ratio": True}, "min_lr_ratio must be in [0, 1]; got True"),
+    ("onecycle", 10, {"max_lr": -1.0}, f"max_lr must be {ONE_PER_GROUP}; got -1.0"),
+    ("onecycle", 10, {"max_lr": [0.1, -1.0]}, f"max_lr must be {ONE_PER_GROUP}; got [0.1, -1.0]"),
+    ("onecycle", 10, {"max_lr": [0.1]}, f"max_lr must be {ONE_PER_GROUP}; got [0.1]"),
+    ("onecycle", 10, {"pct_start": 0}, "pct_start must be in (0, 1); got 0"),
+    ("onecycle", 10, {"pct_start": 1}, "pct_start must be in (0, 1); got 1"),
+    ("onecycle", 10, {"pct_start": 1.2}, "pct_start must be in (0, 1); got 1.2"),
+    ("onecycle", 10, {"pct_start": 0.1}, "pct_start * total_steps must be != 1 (OneCycleLR divides by 0; "
+                                         "safe_pct_start() gives a value that works); got 1.0"),
+    ("onecycle", 10, {"pct_start": 0.6, "three_phase": True},
+     "pct_start must be <= 0.5 with three_phase; got 0.6"),
+    ("onecycle", 10, {"div_factor": 0}, "div_factor must be a number > 0; got 0"),
+    ("onecycle", 10, {"final_div_factor": -1.0}, "final_div_factor must be a number > 0; got -1.0"),
+    ("onecycle", 10, {"anneal_strategy": "exp"}, "anneal_strategy must be 'cos' or 'linear'; got 'exp'"),
+    ("onecycle", 10, {"warmup_steps": 2},
+     "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start"),
+    ("cosine", 10, {"gamma": 0.1}, "unknown option 'gamma' for cosine; accepted: ['min_lr_ratio']"),
+    ("constant", 10, {"step_size": 2}, "unknown option 'step_size' for constant; accepted: []"),
 ]
 
 
-@pytest.mark.parametrize(("name", "T", "kwargs", "match"), BAD)
-def test_bad_input_names_the_parameter(name, T, kwargs, match):
+@pytest.mark.parametrize(("name", "T", "kwargs", "message"), BAD)
+def test_bad_input_names_the_parameter_the_rule_and_the_value(name, T, kwargs, message):
     _, opt = make_optimizer()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError) as info:
         build_scheduler(opt, name, T, **kwargs)
+    assert str(info.value) == message
 
 
 def test_bad_counts_and_clip():
-    for args, match in [((0,), "num_batches"), ((5, 0), "accum_steps"), ((True,), "num_batches")]:
-        with pytest.raises(ValueError, match=match):
-            steps_per_epoch(*args)
-    with pytest.raises(ValueError, match="epochs"):
-        epochs_to_steps(-1, 5)
     _, opt = make_optimizer()
-    with pytest.raises(ValueError, match="clip_grad"):
-        optimizer_step(opt, clip_grad=-1.0)
+    for call, message in [
+        (lambda: steps_per_epoch(0), "num_batches must be an int >= 1; got 0"),
+        (lambda: steps_per_epoch(True), "num_batches must be an int >= 1; got True"),
+        (lambda: steps_per_epoch(5, 0), "accum_steps must be an int >= 1; got 0"),
+        (lambda: epochs_to_steps(-1, 5), "epochs must be a number >= 0; got -1"),
+        (lambda: epochs_to_steps(True, 5), "epochs must be a number >= 0; got True"),
+        (lambda: optimizer_step(opt, clip_grad=-1.0), "clip_grad must be None or a number >= 0; got -1.0"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
 
 
 @pytest.mark.parametrize(
@@ -339,6 +418,8 @@ def test_safe_pct_start_lets_every_short_onecycle_run(T, three_phase):
         singular = float(pct * T) == 1
         safe = schedules.safe_pct_start(pct, T, three_phase)
         assert (safe != pct) == singular  # any other value keeps torch's curve exactly
+        if singular and not three_phase:
+            assert safe == schedules.safe_pct_start(pct, T) > pct  # two-phase is the default
         _, opt = make_optimizer()
         if singular:
             with pytest.raises(ValueError, match="safe_pct_start"):
