@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 seed, 1 epoch, 3-point grid")
     parser.add_argument("--seeds", type=int, default=0, help="seeds per optimizer (default 8, quick 1)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds run from here on: fresh seeds check a rule chosen on earlier ones")
     parser.add_argument("--part", choices=("all", "quality", "stability"), default="all")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset")
     parser.add_argument("--json", default="runs/bench_lr_find.json", help="where to write the results")
@@ -155,7 +157,7 @@ def measure_quality(opt: str, args: argparse.Namespace, device: torch.device, tl
     rows: dict[str, dict] = {}  # (schedule, candidate) -> per-seed lrs and accuracies
     sweeps: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-lr-find-") as tmp:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             flags = [*task, "--optimizer", opt, "--seed", str(seed), "--device", args.device]
             cfg = parse_config(flags)
             if seed % 2 == 0:  # alternate which sweep runs first, so drift hits both alike
@@ -228,7 +230,7 @@ def measure_stability(opt: str, args: argparse.Namespace, device: torch.device) 
     """The default suggestions of `python lr_find.py [--find-iters 100] --seed S` (digits)."""
     out: dict = {}
     for iters in (50, 100):
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             cfg = parse_config(["--optimizer", opt, "--seed", str(seed), "--find-iters", str(iters),
                                 "--device", args.device])
             picks = ours(cfg, device)[0]["picks"]
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # a shared core makes more threads noisy; seeds run one after another
     started = time.perf_counter()
     result: dict = {"targets": TARGETS, "task": TASK, "device": str(device), "quick": args.quick,
-                    "torch_version": torch.__version__, "seeds": args.seeds,
+                    "torch_version": torch.__version__, "seeds": args.seeds, "first_seed": args.first_seed,
                     "torch_lr_finder_version": getattr(tlf, "__version__", "unknown"),
                     "load_1min_start": os.getloadavg()[0], "quality": {}, "stability": {}}
     try:
