@@ -263,7 +263,7 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
         ax.plot(curve.lrs, curve.loss, color="tab:blue", linewidth=2, label="smoothed: what the rules read")
         descent = curve.loss[: curve.lowest + 1]
         low, high = min(descent + [v for _, v in raw]), max(descent + [raw[0][1]])
-        pad = 0.08 * (high - low)  # > 0: the curve falls from its first point, and no lower than the raw
+        pad = 0.08 * (high - low)  # > 0: the curve falls from its first point, never below the raw losses
         ax.set_ylim(low - pad, high + pad)  # the blow-up may leave the top; the descent stays readable
     names = {"peak": "onecycle peak", "base": "constant/step/cosine/warmup"}
     for family, (lr, rule) in result.suggestions.items():
