@@ -1,3 +1,4 @@
+import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +17,26 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
     command = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
     return subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """train.py's main() in this process, as `python train.py ARGV` would run it: (exit code, stdout,
+    stderr), the code 0 when main() returns."""
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, argv)])
+    code = 0
+    try:
+        train.main()
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fingerprint(folder) -> dict[str, str]:
+    """Each checkpoint's hash: equal before and after means no checkpoint was touched."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).glob("*.pt"))}
 
 
 def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

@@ -4,20 +4,18 @@ people type."""
 
 import dataclasses
 import errno
-import hashlib
 import io
 import math
 import os
 import random
 import shutil
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import fingerprint, run_main, run_script
 
 import runtime
 import train
@@ -28,24 +26,11 @@ TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2"
         "--width", "4", "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--num-workers", "0"]
 
 
-def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
-    """train.py's main() in this process, as `python train.py ARGV` would run it."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, argv)])
-    with pytest.raises(SystemExit) as info:
-        train.main()
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
-
-
 def assert_one_line_failure(code, out: str, err: str) -> str:
     assert code not in (0, None), (code, err)
     assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
     assert "Traceback" not in out + err
     return err
-
-
-def fingerprint(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.pt"))}
 
 
 def save_png(path: Path, size: int, seed: int, base: int = 40) -> None:

@@ -1,13 +1,11 @@
 """Fine-tuning: --pretrained (offline, and from a local weights file), --init-from, --evaluate."""
 
-import hashlib
 import json
-import sys
 import urllib.error
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import fingerprint, run_main
 from PIL import Image
 
 import runtime
@@ -21,27 +19,11 @@ TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2"
 SQUEEZENET = "squeezenet1_1-b8a52dc0.pth"  # the file torchvision's default squeezenet1_1 weights are
 
 
-def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
-    """train.py's main() in this process, as `python train.py ARGV` would run it."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, argv)])
-    code = 0
-    try:
-        train.main()
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def assert_one_line_error(code, out: str, err: str) -> str:
     assert code == 2, (code, err)
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in out + err
     return err
-
-
-def fingerprint(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.pt"))}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 from test_resume import assert_same_state, final_state
 
 import runtime
@@ -20,18 +20,6 @@ from configs import UserError, lr_setup_differences, parse_config, resolve_lr, r
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
         "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
-
-
-def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
-    """`python train.py ARGV`, in this process."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, argv)])
-    code = 0
-    try:
-        train.main()
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(code, err: str) -> str:
