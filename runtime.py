@@ -217,6 +217,9 @@ def load_checkpoint(path: str | Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; this is something else
+            raise UserError(f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); "
+                            "delete it or resume from another file") from None
         reason = str(err).strip().splitlines()[0] if str(err).strip() else "unsafe content"
         if "Weights only load failed" in reason:
             reason = "it holds objects other than tensors and plain data"

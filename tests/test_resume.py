@@ -181,6 +181,15 @@ def test_truncated_checkpoint_gives_one_line(tmp_path, script):
     assert result.stderr.startswith("error: checkpoint") and result.stderr.count("\n") == 1
 
 
+def test_a_file_that_is_no_checkpoint_is_named_so(tmp_path):
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"garbage\n")  # torch reads it as a pickle and says "Unsupported operand 103"
+    with pytest.raises(UserError) as err:
+        runtime.load_checkpoint(path)
+    assert str(err.value) == (f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); "
+                              "delete it or resume from another file")
+
+
 def test_resume_refuses_a_different_config(tmp_path, script):
     def run(epochs, *extra):
         return script("train.py", "--dataset", "synthetic", "--synthetic-size", "64", "--image-size",
