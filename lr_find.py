@@ -8,9 +8,7 @@ torch (matplotlib and TensorBoard only to draw), so this file can be copied alon
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import contextlib
 import copy
 import functools
 import io
@@ -19,9 +17,7 @@ import json
 import math
 import os
 import random
-import shlex
 import sys
-import tempfile
 import warnings
 from collections import deque, namedtuple
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -130,7 +126,6 @@ class SuggestionCurve:
 
     lrs: list[float]
     loss: list[float]
-    slope: list[float]  # per decade of lr
     first: int
     lowest: int
     exploded: bool  # the sweep ended in a non-finite loss, so a lowest point at the end is real
@@ -147,7 +142,7 @@ def suggestion_curve(lrs: Sequence[float], losses: Sequence[float]) -> Suggestio
     n, lrs, raw = len(points), [p[0] for p in points], [p[1] for p in points]
     x, first = [math.log10(lr) for lr in lrs], max(2, n // 10)
     if n - max(2, n // 20) - first < 3:
-        return SuggestionCurve(lrs, raw, [], first, first, exploded, f"only {n} usable points")
+        return SuggestionCurve(lrs, raw, first, first, exploded, f"only {n} usable points")
     y = raw[:1] + [sorted(raw[:3])[1]] + [sorted(raw[i - 2:i + 3])[2] for i in range(2, n - 2)]
     y += [sorted(raw[-3:])[1], raw[-1]]
     sigma = max(SUGGEST_SIGMA_DECADES, 1.5 * sorted(b - a for a, b in zip(x, x[1:], strict=False))[n // 2])
@@ -156,11 +151,9 @@ def suggestion_curve(lrs: Sequence[float], losses: Sequence[float]) -> Suggestio
         lo, hi = bisect.bisect_left(x, xi - 4 * sigma), bisect.bisect_right(x, xi + 4 * sigma)
         w = [math.exp(-0.5 * ((xj - xi) / sigma) ** 2) for xj in x[lo:hi]]
         loss.append(sum(wj * yj for wj, yj in zip(w, y[lo:hi], strict=True)) / sum(w))
-    ends = [(max(i - 1, 0), min(i + 1, n - 1)) for i in range(n)]
-    slope = [(loss[b] - loss[a]) / (x[b] - x[a]) if x[b] > x[a] else 0.0 for a, b in ends]
     lowest = min(range(first, n), key=loss.__getitem__)
     problem = "the loss never decreases" if loss[lowest] >= loss[first] else None
-    return SuggestionCurve(lrs, loss, slope, first, lowest, exploded, problem)
+    return SuggestionCurve(lrs, loss, first, lowest, exploded, problem)
 
 
 def minimum(curve: SuggestionCurve) -> float | None:
@@ -186,32 +179,8 @@ def min_over_10(curve: SuggestionCurve) -> float | None:
     return None if (lr := minimum(curve)) is None else lr / 10
 
 
-def valley(curve: SuggestionCurve) -> float | None:
-    """In the longest stretch over which the loss keeps falling, the lr at which two thirds of its
-    drop is done: a rate still on the descent, clear of the turn, for schedules that start there."""
-    loss, start, run_start, run_len = curve.loss, curve.first, curve.first, 0
-    for j in range(curve.first + 1, len(loss)):
-        if loss[j] >= loss[j - 1]:
-            start = j
-        elif j - start > run_len:
-            run_start, run_len = start, j - start
-    if run_len < 2:
-        return None
-    target = loss[run_start] - (loss[run_start] - loss[run_start + run_len]) * 2 / 3
-    return curve.lrs[next(j for j in range(run_start, run_start + run_len + 1) if loss[j] <= target)]
-
-
-def steepest(curve: SuggestionCurve) -> float | None:
-    """Where the loss falls fastest per decade, up to the lowest loss (a fall after a blow-up is
-    no descent worth having) and never in the last 5% (already diverging)."""
-    n = len(curve.lrs)
-    i = min(range(curve.first, max(min(n - max(2, n // 20), curve.lowest + 1), curve.first + 1)),
-            key=curve.slope.__getitem__)
-    return curve.lrs[i] if curve.slope[i] < 0 else None
-
-
 RULES: dict[str, Callable[[SuggestionCurve], float | None]] = {
-    "minimum": minimum, "min/3": min_over_3, "min/10": min_over_10, "valley": valley, "steepest": steepest}
+    "minimum": minimum, "min/3": min_over_3, "min/10": min_over_10}
 METHODS = tuple(RULES)
 
 
@@ -248,10 +217,10 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any) -> list[Any]:
     return wrote
 
 
-def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
+def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
     """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each schedule's
-    suggestion marked, the chosen one red. Returns the matplotlib Figure (no pyplot state or GUI
-    backend involved); also writes a PNG when ``path`` is given."""
+    suggestion marked, the chosen one red. Draws on ``ax`` or a new matplotlib Figure (no pyplot
+    state or GUI backend involved) and returns the Figure: ``.savefig("lr.png")`` writes a PNG."""
     from matplotlib.figure import Figure
 
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
@@ -275,8 +244,6 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
     ax.set(xlabel="learning rate", ylabel="loss", title=f"LR range test, {len(result.lrs)} steps, "
            f"{result.stop_reason}; red: for --schedule {result.schedule}")
     ax.legend(loc="lower left", fontsize="small")
-    if path is not None:
-        ax.figure.savefig(path)
     return ax.figure
 
 
@@ -286,33 +253,36 @@ def plot_lr_find(result: LRFindResult, path: Any = None, ax: Any = None) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """`python lr_find.py [--config X.toml] [--flag value ...]`: sweep the setup that train.py builds
-    from the same flags, or re-read a saved sweep (--from-json); save it and print the suggestions."""
-    from configs import exit_with_error, parse_given, parse_or_exit
+    from the same flags, save the sweep and print the suggestions."""
+    from tqdm import tqdm
+
+    import runtime
+    from configs import command_line, exit_with_error, parse_or_exit
+    from data import build_loaders
+    from models import build_model, build_optimizer
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and os.environ.get("RANK", "0") != "0":
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
-    only_here = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the one flag not in Config
-    only_here.add_argument("--from-json", nargs="?", const="")
-    args, argv = only_here.parse_known_args(argv)
-    cfg = parse_or_exit(argv, description="Learning-rate range test on train.py's setup. --from-json [DIR] "
-                        "re-reads a saved sweep for another --find-method or --schedule.")
-    out_dir = Path(args.from_json or cfg.out_dir)
-    try:
-        if args.from_json is not None:
-            result, config = _load_sweep(out_dir, cfg, set(parse_given(argv)))
-        else:
-            if world_size > 1:
-                print(f"lr_find.py: one sweep is enough, so rank 0 runs it and the other {world_size - 1} "
-                      "processes exit")
-            result, config = _run_sweep(cfg, out_dir), cfg.to_dict()
+    cfg = parse_or_exit(argv, description="Learning-rate range test on train.py's setup.")
+    if world_size > 1:
+        print(f"lr_find.py: one sweep is enough: rank 0 runs it, the other {world_size - 1} processes exit")
+    try:  # the data, model and optimizer that train.py builds from the same flags
+        runtime.check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
+        device = runtime.pick_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        batches, _, info = build_loaders(cfg, device)
+        model = build_model(cfg, info.channels, info.num_classes, device)
+        amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+        optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
+        with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:
+            result = runtime.sweep_lr(cfg, model, optimizer, batches, amp_dtype, scaler, device,
+                                      progress=lambda i, lr, loss: bar.update())
+        with runtime.reporting_write_errors(cfg.out_dir):
+            wrote = save_sweep(result, cfg.to_dict(), cfg.out_dir)
     except ValueError as err:  # configs.UserError is one
         exit_with_error(str(err))
-    try:
-        wrote = save_sweep(result, config, out_dir)
-    except OSError as err:
-        exit_with_error(f"could not write {err.filename or out_dir} ({err.strerror or err})", status=1)
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
@@ -322,78 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     others = "".join(f"; for {'/'.join(_SERVED[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
                      in result.suggestions.items() if lr and f != SCHEDULES[result.schedule])
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
-    if args.from_json is None:
-        print(f"next: {_next_command(argv)}")
-
-
-def _run_sweep(cfg: Any, out_dir: Path) -> LRFindResult:
-    """lr_find on the data, model and optimizer that train.py builds from ``cfg``."""
-    import torch.nn.functional as F
-    from tqdm import tqdm
-
-    import runtime
-    from data import build_loaders
-    from models import build_model, build_optimizer
-
-    try:  # fail now, not after the sweep
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out_dir).close()
-    except OSError as err:
-        raise ValueError(f"cannot write to --out-dir {out_dir} ({err.strerror or err})") from None
-    device = runtime.pick_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_classes, device)
-    amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
-    with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:
-        return lr_find(
-            model, build_optimizer(model, cfg, cfg.find_start_lr),
-            functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing),
-            (batch for epoch in itertools.count() for batch in batches.epoch(epoch)),
-            start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
-            accum_steps=cfg.accum_steps, autocast_dtype=amp_dtype, scaler=scaler, device=device,
-            schedule=cfg.schedule, method=None if cfg.find_method == "auto" else cfg.find_method,
-            progress=lambda i, lr, loss: bar.update())
-
-
-def _load_sweep(out_dir: Path, cfg: Any, given: set[str]) -> tuple[LRFindResult, dict]:
-    """The sweep in out_dir/lr_find.json, read again with --find-method and --schedule where given
-    and the saved ones otherwise."""
-    other = sorted(given - {"find_method", "schedule", "out_dir"})
-    if other:
-        raise ValueError("--from-json re-reads a saved sweep: it takes --find-method and --schedule, not "
-                         + ", ".join("--" + name.replace("_", "-") for name in other))
-    path = out_dir / "lr_find.json"
-    try:
-        record = json.loads(path.read_text())
-        config = dict(record["config"])
-        for key in ("schedule", "find_method"):  # given now, or new since the sweep
-            config[key] = getattr(cfg, key) if key in given or key not in config else config[key]
-        lrs, losses, smoothed = ([math.nan if v is None else float(v) for v in record[key]]
-                                 for key in ("lrs", "losses", "smoothed"))
-        kind = record.get("optimizer_kind") or ("adaptive" if config.get("optimizer") == "adamw" else "sgd")
-        method = None if config["find_method"] == "auto" else config["find_method"]
-        if not lrs:
-            raise ValueError("it holds no steps")
-        result = _result(lrs, losses, smoothed, str(record["stop_reason"]), config["schedule"], method, kind)
-    except OSError as err:
-        raise ValueError(f"cannot read {path} ({err.strerror or err}); run `python lr_find.py` first"
-                         ) from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}: {err})") from None
-    return result, config
-
-
-def _next_command(argv: list[str]) -> str:
-    """The train.py command that continues from this sweep: same flags, lr taken from the file."""
-    kept, skip = [], False
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if skip or name == "--lr" or name.startswith("--find-"):
-            skip = not skip and "=" not in arg  # its value comes next
-            continue
-        kept.append(arg)
-    return shlex.join(["python", "train.py", *kept, "--lr", "auto"])
+    not_for_training = [name for name in cfg.to_dict() if name == "lr" or name.startswith("find_")]
+    print(f"next: {command_line('train.py', cfg, leave_out=tuple(not_for_training))} --lr auto")
 
 
 # pragma: no mutate end
@@ -479,8 +379,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 def _read_lag(device: torch.device) -> int:
-    """Steps by which losses are read late: on CUDA, reading the previous step's loss while the
-    current one is queued keeps the GPU busy instead of draining it every step."""
+    """Steps by which losses are read late (host, in _sweep)."""
     return 1 if device.type == "cuda" else 0
 
 
@@ -491,7 +390,7 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
     first = float(groups[0]["lr"])
     ratios = [float(g["lr"]) / first if first else 1.0 for g in groups]
     # Step i's loss goes to host[i]: on CUDA asynchronously, into pinned memory, and it is read a step
-    # later (_read_lag) once its event has passed, so the loop never waits for the GPU.
+    # later (_read_lag) once its event has passed, so the GPU is never drained to read a loss.
     cuda, lag = device.type == "cuda", _read_lag(device)
     host = torch.empty(len(schedule), dtype=torch.float32, pin_memory=cuda)
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
@@ -519,9 +418,8 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
         blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
         return "diverged" if i >= min_iter_before_stop and blown_up else None
 
-    autocast = contextlib.nullcontext
-    if autocast_dtype is not None:
-        autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype)
+    autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype,
+                                 enabled=autocast_dtype is not None)
     model.train()
     stop = None
     for i, lr in enumerate(schedule):

@@ -2,7 +2,8 @@
 
 First what train.py and lr_find.py's command line share: device and AMP, torchrun, checkpoint files
 and RNG states, output files written whole. Then train.py's alone: resume and checkpoint contents,
-stop rules (Ctrl-C, divergence), --lr find, evaluation tallies, TensorBoard, the summary, pictures.
+stop rules (Ctrl-C, divergence), --lr find (its sweep is lr_find.py's command's too), evaluation
+tallies, TensorBoard, the summary, pictures.
 """
 
 from __future__ import annotations
@@ -327,11 +328,12 @@ def write_png_atomic(path: str | Path, picture) -> None:
 
 @contextlib.contextmanager
 def reporting_write_errors(path: str | Path, label: str | None = None):
-    """Turn an OSError inside the block (say, from a TensorBoard writer) into one UserError line."""
+    """Turn an OSError inside the block (say, from a TensorBoard writer) into one UserError line,
+    naming `label`, else the file that failed, else `path`."""
     try:
         yield
     except OSError as err:
-        raise write_error(path, err, label=label) from None
+        raise write_error(path, err, label=label or err.filename) from None
 
 
 def quiet_tensorboard_thread() -> None:
@@ -573,10 +575,25 @@ def diverged(what: str, step: int, at_lr: float, lr: float, last: Path, saved_st
                      f"to find one; {kept}")
 
 
+def sweep_lr(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, batches, amp_dtype, scaler,
+             device: torch.device, batches_per_step: int = 1, progress: Callable | None = None):
+    """lr_find.py's range test on train.py's model, data and a sweep `optimizer`, as both `python
+    lr_find.py` and --lr find run it; lr_find puts the model and every RNG back bit for bit."""
+    import lr_find  # only here: train.py needs lr_find.py for --lr find alone
+
+    stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
+    with contextlib.closing(stream):
+        return lr_find.lr_find(
+            model, optimizer, functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing), stream,
+            start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
+            accum_steps=cfg.accum_steps * batches_per_step, autocast_dtype=amp_dtype, scaler=scaler,
+            device=device, schedule=cfg.schedule, progress=progress,
+            method=None if cfg.find_method == "auto" else cfg.find_method)
+
+
 def find_lr(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, batches, amp_dtype,
             scaler, device: torch.device) -> float:
-    """--lr find: lr_find.py's range test on train.py's model, data and a sweep `optimizer`; lr_find
-    puts the model and every RNG back bit for bit. Writes what lr_find.py writes.
+    """--lr find: sweep_lr, then write what lr_find.py writes and return the suggestion.
 
     Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
     world_size of its batches per step, so each step sees the global batch as DDP will. All ranks
@@ -585,18 +602,12 @@ def find_lr(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, bat
     found = problem = None
     world_size = dist.get_world_size() if is_distributed() else 1
     if not is_distributed() or dist.get_rank() == 0:
-        import lr_find  # only here: train.py needs lr_find.py for --lr find alone
+        import lr_find
 
-        stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
-        loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing)
         try:
-            with contextlib.closing(stream), warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                result = lr_find.lr_find(
-                    model, optimizer, loss_fn, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
-                    num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * world_size,
-                    autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
-                    method=None if cfg.find_method == "auto" else cfg.find_method)
+                result = sweep_lr(cfg, model, optimizer, batches, amp_dtype, scaler, device, world_size)
             with reporting_write_errors(cfg.out_dir):
                 wrote = lr_find.save_sweep(result, cfg.to_dict(), cfg.out_dir)
             found = result.suggestion

@@ -39,7 +39,7 @@ import runtime
 from bench.speed import sync
 from configs import OPTIMIZERS, Config, UserError, exit_with_error, parse_config
 from data import build_loaders
-from lr_find import DEFAULT_RULES, METHODS, lr_find
+from lr_find import DEFAULT_RULES, RULES, SuggestionCurve, lr_find, suggestion_curve
 from models import build_model, build_optimizer
 
 TASK = ["--dataset", "synthetic", "--num-classes", "100", "--channels", "1", "--image-size", "8",
@@ -53,6 +53,44 @@ TARGETS = {"default_gap_pp": ">= -0.15", "default_minus_tlf_pp": ">= 0", "time_r
            "stability_ratio": "< 1.5"}
 MISSING_TLF = ("bench/lr_find_rules.py: torch-lr-finder is not importable (needed for the comparison); "
                "run `pip install --no-deps torch-lr-finder`")
+
+
+# --- candidate rules the bench measured against lr_find.py's and dropped (README, "How good") ----
+
+
+def valley(curve: SuggestionCurve) -> float | None:
+    """fastai's idea: in the longest stretch over which the loss keeps falling, the lr at which two
+    thirds of its drop is done."""
+    loss, start, run_start, run_len = curve.loss, curve.first, curve.first, 0
+    for j in range(curve.first + 1, len(loss)):
+        if loss[j] >= loss[j - 1]:
+            start = j
+        elif j - start > run_len:
+            run_start, run_len = start, j - start
+    if run_len < 2:
+        return None
+    target = loss[run_start] - (loss[run_start] - loss[run_start + run_len]) * 2 / 3
+    return curve.lrs[next(j for j in range(run_start, run_start + run_len + 1) if loss[j] <= target)]
+
+
+def slope_per_decade(curve: SuggestionCurve) -> list[float]:
+    """Central differences in log10(lr), one-sided at the ends; 0 where two points share an lr."""
+    n, x = len(curve.lrs), [math.log10(lr) for lr in curve.lrs]
+    ends = [(max(i - 1, 0), min(i + 1, n - 1)) for i in range(n)]
+    return [(curve.loss[b] - curve.loss[a]) / (x[b] - x[a]) if x[b] > x[a] else 0.0 for a, b in ends]
+
+
+def steepest(curve: SuggestionCurve) -> float | None:
+    """torch-lr-finder's idea on lr_find.py's curve: where the loss falls fastest per decade, up to
+    the lowest loss (a fall after a blow-up is no descent) and never in the last 5% (diverging)."""
+    n, slope = len(curve.lrs), slope_per_decade(curve)
+    i = min(range(curve.first, max(min(n - max(2, n // 20), curve.lowest + 1), curve.first + 1)),
+            key=slope.__getitem__)
+    return curve.lrs[i] if slope[i] < 0 else None
+
+
+CANDIDATES = {**RULES, "valley": valley, "steepest": steepest}
+METHODS = tuple(CANDIDATES)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,7 +132,8 @@ def ours(cfg: Config, device: torch.device) -> tuple[dict, float]:
                          end_lr=cfg.find_end_lr, num_iter=cfg.find_iters, device=device)
         sync(device)
         seconds = time.perf_counter() - start
-        picks = {rule: result.suggest(rule) for rule in METHODS}
+        curve = suggestion_curve(result.lrs, result.losses)
+        picks = {name: None if curve.problem else rule(curve) for name, rule in CANDIDATES.items()}
     picks.update({f"default:{family}": lr for family, (lr, _) in result.suggestions.items()})
     return {"picks": picks, "steps": len(result.lrs), "stop_reason": result.stop_reason,
             "kind": result.optimizer_kind}, seconds

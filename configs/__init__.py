@@ -24,7 +24,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefol
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("auto", "minimum", "min/3", "min/10", "valley", "steepest")  # lr_find.METHODS + auto
+FIND_METHODS = ("auto", "minimum", "min/3", "min/10")  # lr_find.METHODS + auto
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 

@@ -31,7 +31,7 @@ def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
     """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
-    record = {"lrs": [1e-3, 1e-1], "losses": [2.3, 2.0], "smoothed": [2.3, 2.1], "method": "steepest",
+    record = {"lrs": [1e-3, 1e-1], "losses": [2.3, 2.0], "smoothed": [2.3, 2.1], "method": "min/10",
               "stop_reason": "completed", "suggestion": suggestion, "config": config, **extra}
     (out_dir / "lr_find.json").write_text(json.dumps(record))
 

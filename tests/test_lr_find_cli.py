@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -13,7 +14,6 @@ from conftest import ROOT, read_scalars
 import lr_find
 import train
 from configs import parse_config
-from lr_find import _next_command
 
 
 def tensorboard_image(log_dir, tag: str):
@@ -56,36 +56,23 @@ def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
     assert "for --schedule onecycle (its peak, rule minimum)" in trained.stdout
 
 
-def write_sweep(out_dir, optimizer: str = "sgd") -> dict:
-    """A saved sweep as lr_find.py writes it, over a curve with a clear fall and bottom."""
+SMALL = ["--dataset", "synthetic", "--synthetic-size", "256", "--find-iters", "10"]
+
+
+def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
+    """A sweep saved for cosine with --find-method min/10: each schedule's --lr auto takes its family's."""
+    pytest.importorskip("matplotlib")
     lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
     losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
-    config = parse_config(["--optimizer", optimizer, "--out-dir", str(out_dir)]).to_dict()
-    record = {"lrs": lrs, "losses": losses, "smoothed": losses, "stop_reason": "completed",
-              "config": config}
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "lr_find.json").write_text(json.dumps(record))
-    return record
-
-
-def test_from_json_rederives_for_another_schedule_and_lr_auto_follows(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    saved = write_sweep(tmp_path)
-    lr_find.main(["--from-json", str(tmp_path), "--schedule", "cosine"])
+    result = lr_find._result(lrs, losses, losses, "completed", "cosine", "min/10", "sgd")
+    config = parse_config(["--out-dir", str(tmp_path), "--schedule", "cosine", "--find-method", "min/10"])
+    lr_find.save_sweep(result, config.to_dict(), tmp_path)
     record = json.loads((tmp_path / "lr_find.json").read_text())
-    assert record["lrs"] == saved["lrs"] and record["schedule"] == record["config"]["schedule"] == "cosine"
-    base, peak = record["suggestions"]["base"], record["suggestions"]["peak"]
-    assert (record["suggestion"], record["method"]) == (base["lr"], "min/3")
-    assert "for --schedule cosine" in capsys.readouterr().out
-    assert (tensorboard_image(tmp_path / "lr_find", "lr_find") == __import__("matplotlib.image").image.imread(
-        tmp_path / "lr_find.png")[..., :3]).all()
-
-    lr_find.main([f"--from-json={tmp_path}", "--find-method", "min/10"])  # keeps the saved schedule
-    again = json.loads((tmp_path / "lr_find.json").read_text())
-    assert again["schedule"] == "cosine" and again["method"] == "min/10"
-    assert again["suggestion"] == pytest.approx(peak["lr"] / 10)
-    for schedule, expected in (("cosine", again["suggestion"]), ("onecycle", peak["lr"]),
-                               ("warmup", again["suggestion"])):
+    peak = record["suggestions"]["peak"]
+    assert record["schedule"] == "cosine" and record["method"] == "min/10" and peak["method"] == "minimum"
+    assert record["suggestion"] == pytest.approx(peak["lr"] / 10)
+    for schedule, expected in (("cosine", record["suggestion"]), ("onecycle", peak["lr"]),
+                               ("warmup", record["suggestion"])):
         cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto", "--schedule", schedule,
                             "--warmup-epochs", "1" if schedule == "warmup" else "0"])
         said = []
@@ -93,25 +80,23 @@ def test_from_json_rederives_for_another_schedule_and_lr_auto_follows(tmp_path, 
         assert f"for --schedule {schedule}" in said[0]
 
 
-def test_adamw_sweep_uses_the_adaptive_rules(tmp_path):
-    pytest.importorskip("matplotlib")
-    write_sweep(tmp_path, "adamw")
-    lr_find.main(["--from-json", str(tmp_path)])
+def test_adamw_sweep_uses_the_adaptive_rules(tmp_path, capsys):
+    lr_find.main(["--dataset", "synthetic", "--synthetic-size", "512", "--find-iters", "20",
+                  "--optimizer", "adamw", "--out-dir", str(tmp_path)])
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert record["optimizer_kind"] == "adaptive"
     assert {f: s["method"] for f, s in record["suggestions"].items()} == lr_find.DEFAULT_RULES["adaptive"]
+    said = capsys.readouterr().out
+    assert f"suggested lr: {record['suggestion']:.3g} (min/3) for --schedule onecycle" in said
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--from-json", "{d}/nothing"], "cannot read"),
-    (["--from-json", "{d}", "--width", "8"], "not --width"),
-    (["--from-json", "{d}", "--find-method", "best"], "find_method"),
-    (["--out-dir", "{d}/a_file/sub"], "cannot write to --out-dir"),
+    (["--from-json", "{d}"], "unknown option --from-json"),
+    (["--out-dir", "{d}/a_file/sub"], "cannot write --out-dir"),
     (["--find-iters", "5", "--out-dir", "{d}/x", "--dataset", "synthetic", "--synthetic-size", "256"],
      "find_iters"),
 ])
 def test_bad_cases_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
-    write_sweep(tmp_path)
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as stop:
         lr_find.main([a.format(d=tmp_path) for a in argv])
@@ -123,12 +108,11 @@ def test_bad_cases_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
 
 def test_a_failed_write_names_the_file(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    write_sweep(tmp_path)
     (tmp_path / "lr_find.png").mkdir()
     with pytest.raises(SystemExit) as stop:
-        lr_find.main(["--from-json", str(tmp_path)])
+        lr_find.main([*SMALL, "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert stop.value.code == 1 and err.count("\n") == 1 and str(tmp_path / "lr_find.png") in err
+    assert stop.value.code == 2 and err.count("\n") == 1 and str(tmp_path / "lr_find.png") in err
 
 
 def test_under_torchrun_rank_0_sweeps_once_and_nothing_fails(tmp_path):
@@ -156,8 +140,11 @@ def test_bad_flags_exit_2(script):
     assert result.returncode == 2 and "find_start_lr" in result.stderr
 
 
-def test_next_command_keeps_flags_but_not_lr_or_sweep_settings():
-    argv = ["--config", "configs/mnist.toml", "--lr", "0.3", "--find-iters=80", "--find-end-lr",
-            "1", "--out-dir", "runs/a b"]
-    assert _next_command(argv) == (
-        "python train.py --config configs/mnist.toml --out-dir 'runs/a b' --lr auto")
+def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
+    lr_find.main(["--dataset", "synthetic", "--synthetic-size", "512", "--find-iters", "20", "--lr", "0.3",
+                  "--find-end-lr", "3", "--width", "8", "--out-dir", str(tmp_path / "a b")])
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == (f"next: python train.py --dataset synthetic --synthetic-size 512 --width 8 "
+                    f"--out-dir '{tmp_path / 'a b'}' --lr auto")
+    saved = json.loads((tmp_path / "a b" / "lr_find.json").read_text())
+    assert train.resolve_lr(parse_config(shlex.split(said)[3:]), print) == saved["suggestion"]
