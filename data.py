@@ -216,7 +216,7 @@ def _synthetic(cfg: Config) -> tuple[torch.Tensor, ...]:
         images = ((templates[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8)
         return images, labels
 
-    train, val = draw(cfg.synthetic_size), draw(max(cfg.synthetic_size // 4, 1))
+    train, val = draw(cfg.synthetic_size), draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
     return *train, *val
 
 

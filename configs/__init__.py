@@ -63,6 +63,8 @@ class Config:
                             "the other datasets have their own", limits="> 0")
     synthetic_size: int = setting(2048, "synthetic: training images (validation gets a quarter)",
                                   limits="> 0")
+    synthetic_val_size: int = setting(0, "synthetic: validation images; 0: a quarter of --synthetic-size",
+                                      limits=">= 0", may_change=True)
     loader: str = setting("auto", "device: uint8 tensors on the device, augmented in batches; dataloader: "
                           "worker processes; auto: device when the data fits (imagefolder: dataloader)",
                           choices=LOADERS, may_change=True)

@@ -115,7 +115,9 @@ def test_augment_without_padding_or_flips_is_identity():
     (["--dataset", "digits"], (1, 8, 8), (1437, 360), 10),  # sklearn's 8x8 digits, our 360 val split
     (["--dataset", "synthetic", "--image-size", "12", "--channels", "2", "--num-classes", "7",
       "--synthetic-size", "100"], (2, 12, 12), (100, 25), 7),
-], ids=["digits", "synthetic"])
+    (["--dataset", "synthetic", "--synthetic-size", "64", "--synthetic-val-size", "300"], (3, 16, 16),
+     (64, 300), 10),
+], ids=["digits", "synthetic", "synthetic-val-size"])
 def test_loaders_report_shapes(argv, shape, sizes, classes):
     """Expected from the arguments (or the dataset's known size), never from `info` itself."""
     cfg = parse_config([*argv, "--batch-size", "16"])
@@ -128,3 +130,14 @@ def test_loaders_report_shapes(argv, shape, sizes, classes):
     assert info.num_classes == classes and int(y.max()) < classes
     assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16)
     assert sum(len(t) for _, t in val.epoch(0)) == sizes[1]
+
+
+def test_a_larger_synthetic_val_set_leaves_the_training_data_alone():
+    """The bench's low-noise val set (bench/lr_find_rules.py) must not change what a run trains on."""
+    from data import _synthetic
+
+    base = parse_config(["--dataset", "synthetic", "--synthetic-size", "64"])
+    more = parse_config(["--dataset", "synthetic", "--synthetic-size", "64", "--synthetic-val-size", "300"])
+    (x, y, _, vy), (x2, y2, _, vy2) = _synthetic(base), _synthetic(more)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert len(vy) == 16 and len(vy2) == 300 and torch.equal(vy2[:16], vy)
