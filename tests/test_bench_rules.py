@@ -1,11 +1,9 @@
 """The candidate rules bench/lr_find_rules.py measures against lr_find.py's and lr_find.py dropped
 (README, "How good the suggestions are"): valley and steepest, read from lr_find's curve."""
 
-import math
-
 import numpy as np
 import pytest
-from test_lr_find import curve_lrs, hand_curve, probe_setup, reference_curve, scripted_loss, synthetic_curve
+from test_lr_find import curve_lrs, hand_curve, reference_curve, sweep_of_synthetic_curve, synthetic_curve
 
 import bench.lr_find_rules as rules
 import lr_find as lf
@@ -14,9 +12,7 @@ import lr_find as lf
 @pytest.mark.parametrize("lr_star", [3e-5, 1e-3, 3e-2])
 @pytest.mark.parametrize("noise", [0.0, 0.03])
 def test_a_sweep_places_the_steepest_point_and_the_valley(lr_star, noise):
-    model, optimizer, loader = probe_setup()
-    f = synthetic_curve(lr_star, noise=noise, seed=int(-math.log10(lr_star)))
-    result = lf.lr_find(model, optimizer, scripted_loss(f, optimizer), loader)
+    result = sweep_of_synthetic_curve(lr_star, noise)
     curve = lf.suggestion_curve(result.lrs, result.losses)
     assert lr_star / 2 <= rules.steepest(curve) <= lr_star * 2
     assert lr_star <= rules.valley(curve) <= 4 * lr_star

@@ -375,13 +375,17 @@ def synthetic_curve(lr_star: float, k: float = 2.0, noise: float = 0.0, seed: in
     return f
 
 
+def sweep_of_synthetic_curve(lr_star: float, noise: float) -> lf.LRFindResult:
+    """A default sweep over synthetic_curve (also read by the bench's rules in test_bench_rules.py)."""
+    model, optimizer, loader = probe_setup()
+    f = synthetic_curve(lr_star, noise=noise, seed=int(-math.log10(lr_star)))
+    return lf.lr_find(model, optimizer, scripted_loss(f, optimizer), loader)
+
+
 @pytest.mark.parametrize("lr_star", [3e-5, 1e-3, 3e-2])
 @pytest.mark.parametrize("noise", [0.0, 0.03])
 def test_min_over_10_is_a_tenth_of_the_sweeps_bottom(lr_star, noise):
-    """(The bench's candidate rules on the same sweeps: tests/test_bench_rules.py.)"""
-    model, optimizer, loader = probe_setup()
-    f = synthetic_curve(lr_star, noise=noise, seed=int(-math.log10(lr_star)))
-    result = lf.lr_find(model, optimizer, scripted_loss(f, optimizer), loader)
+    result = sweep_of_synthetic_curve(lr_star, noise)
     lowest = result.lrs[min(range(len(result.lrs)), key=result.losses.__getitem__)]
     assert lowest / 3 <= 10 * result.suggest("min/10") <= 3 * lowest
 
