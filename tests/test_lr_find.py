@@ -449,9 +449,11 @@ def test_divergence_stops_but_not_before_min_iter():
 
 
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
-@pytest.mark.parametrize("values", [[1.0] * 12 + [1e3] * 8, [1.0] * 5 + [math.nan] * 15])
+@pytest.mark.parametrize("values", [[1.0] * 12 + [1e3] * 8, [1.0] * 5 + [math.nan] * 15,
+                                    [1.0] * 19 + [math.nan]])
 def test_late_loss_reads_give_the_same_result(monkeypatch, values):
-    """On CUDA losses are read one step late; the recorded sweep must not change."""
+    """On CUDA losses are read one step late; the recorded sweep must not change, even when only the
+    last step, read after the loop, stops it."""
     model, optimizer, loader = probe_setup()
     now = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=20)
     monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
