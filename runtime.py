@@ -273,7 +273,8 @@ def restore_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------- output files
 
 FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
-         errno.EROFS: "use a writable disk", errno.ENOTDIR: "move the file in the way"}
+         errno.EROFS: "use a writable disk", errno.ENOTDIR: "move the file in the way",
+         errno.EISDIR: "move the folder in the way"}
 
 def check_writable_dir(path: str | Path, what: str = "--out-dir") -> None:
     """Prove that `path` can be created and written, before any time is spent training.

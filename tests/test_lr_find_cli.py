@@ -113,6 +113,7 @@ def test_a_failed_write_names_the_file(tmp_path, capsys):
         lr_find.main([*SMALL, "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and str(tmp_path / "lr_find.png") in err
+    assert "move the folder in the way" in err
 
 
 def test_under_torchrun_rank_0_sweeps_once_and_nothing_fails(tmp_path):
