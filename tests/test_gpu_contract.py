@@ -63,21 +63,39 @@ def check_fused_fp16_matches_unfused(name: str, device: torch.device, decide_on:
     """
     cfg = parse_config([*TINY, *OPTIMIZERS[name], "--amp", "fp16"])
     fused = fused_by_default(cfg, decide_on)
-    model, optimizer, scheduler, stepped = fp16_with_skips(cfg, fused, device)
-    ref_model, ref_optimizer, ref_scheduler, _ = fp16_with_skips(cfg, False, device)
+    # runtime.pick_device (run by earlier tests) turns on TF32 and cuDNN autotuning, whose rounding
+    # Adam's normalised steps amplify past any bound; the kernels are compared without them.
+    flags = (torch.backends.cudnn, "allow_tf32", False), (torch.backends.cudnn, "benchmark", False), (
+        torch.backends.cuda.matmul, "allow_tf32", False)
+    saved = [getattr(owner, name) for owner, name, _ in flags]
+    try:
+        for owner, name, value in flags:
+            setattr(owner, name, value)
+        model, optimizer, scheduler, stepped = fp16_with_skips(cfg, fused, device)
+        ref_model, ref_optimizer, ref_scheduler, _ = fp16_with_skips(cfg, False, device)
+    finally:
+        for (owner, name, _), value in zip(flags, saved, strict=True):
+            setattr(owner, name, value)
     assert stepped == [False, False, True, True, True, True]
     assert scheduler.last_epoch == ref_scheduler.last_epoch == 4
     assert optimizer.param_groups[0]["lr"] == ref_scheduler.get_last_lr()[0]
+    # CUDA's fused AdamW rounds differently from its foreach kernel where a gradient is near eps: on
+    # an H200, by up to 7e-4 in a weight after 6 steps at lr 0.01, with or without skipped steps (each
+    # kernel alone is deterministic). A step wrongly taken moves a weight by about lr, so lr / 5 still
+    # catches one; the moments get a bound as loose, the step count none.
+    loose = bool(fused) and cfg.optimizer == "adamw" and device.type == "cuda"
     for (key, p), q in zip(model.state_dict().items(), ref_model.state_dict().values(), strict=True):
         assert torch.isfinite(p.float()).all(), key
-        torch.testing.assert_close(p, q, msg=key)
+        torch.testing.assert_close(p, q, msg=key, **({"atol": float(cfg.lr) / 5, "rtol": 0} if loose else {}))
     state, ref_state = optimizer.state_dict()["state"], ref_optimizer.state_dict()["state"]
     assert state.keys() == ref_state.keys()
     for index, entry in state.items():
         assert entry.keys() == ref_state[index].keys()
         for key, value in entry.items():
+            ref = ref_state[index][key].cpu()
             assert torch.isfinite(value.float()).all(), (index, key)
-            torch.testing.assert_close(value.cpu(), ref_state[index][key].cpu(), msg=f"{index}.{key}")
+            close = {"rtol": 0.1, "atol": 0.1 * float(ref.abs().max())} if loose and key != "step" else {}
+            torch.testing.assert_close(value.cpu(), ref, msg=f"{index}.{key}", **close)
     return fused
 
 
