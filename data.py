@@ -1,8 +1,11 @@
-"""Datasets by name, served as batches of normalized (inputs, targets) on the training device.
+"""Datasets by name, served as batches of (inputs, targets) on the training device.
 
-Images stay uint8 until the last moment. Small datasets live on the device and are cropped,
-flipped and normalized there in whole batches (airbench-style); ImageFolder and anything too
-large goes through a DataLoader with workers, then gets the same batched device-side treatment.
+DATASETS is the one list of names: each entry takes the config and returns a Source, tensors in
+memory or a torch Dataset of files. Inputs may be any [N, ...] tensor, uint8 or float, and targets
+whatever the task's loss takes. uint8 [N, C, H, W] inputs are images, and only images get the
+image steps: crop and flip, normalization from 0..255, channels_last, resizing to what a model
+needs. Small data lives on the device and is augmented there in whole batches (airbench-style);
+files go through a DataLoader with workers, then get the same batched device-side treatment.
 Each epoch's order and augmentation come from a generator seeded by (seed, epoch), so a resumed
 run or a DDP rank sees exactly the batches it would have seen.
 """
@@ -10,6 +13,7 @@ run or a DDP rank sees exactly the batches it would have seen.
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
 import io
 import math
@@ -21,35 +25,196 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import configs
 from configs import Config, UserError
 from models import input_needs
 
-TORCHVISION_SETS = {
-    "mnist": ("MNIST", 10),
-    "fashion_mnist": ("FashionMNIST", 10),
-    "cifar10": ("CIFAR10", 10),
-    "cifar100": ("CIFAR100", 100),
-}
-PADDING = {"digits": 1, "mnist": 2, "fashion_mnist": 2, "cifar10": 4, "cifar100": 4, "synthetic": 0}
-FLIPS = {"cifar10", "cifar100", "imagefolder"}  # left-right flips keep these labels
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
 
 
 @dataclass
+class Source:
+    """What a dataset entry returns: each split as (inputs [N, ...], targets [N, ...]) tensors, or as
+    a torch Dataset of (input, target) pairs that DataLoader workers read."""
+
+    train: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
+    val: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
+    names: list[str]  # one per model output: the class names, for classification
+    pad: int = 0  # images: zero padding before the random crop (0: no crop)
+    flip: bool = False  # images: left-right flips keep the labels
+    stats: tuple | None = None  # images: per-channel (mean, std) in [0, 1]; None: the training images'
+
+
+# ---------------------------------------------------------------- the datasets
+
+
+def digits(cfg: Config) -> Source:
+    """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image val split."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
+    labels = torch.from_numpy(bunch.target).long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797))
+    val, train = order[:360], order[360:]
+    return Source((images[train], labels[train]), (images[val], labels[val]),
+                  [str(d) for d in range(10)], pad=1)
+
+
+def synthetic(cfg: Config) -> Source:
+    """Class templates (smooth random patterns) plus noise: learnable, deterministic, any shape."""
+    size = cfg.image_size or 16
+    g = torch.Generator().manual_seed(12345)
+    coarse = torch.rand(cfg.num_classes, cfg.channels, 4, 4, generator=g)
+    templates = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(0, cfg.num_classes, (n,), generator=g)
+        noise = torch.randn(n, cfg.channels, size, size, generator=g) * 0.25
+        return ((templates[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+    train = draw(cfg.synthetic_size)
+    val = draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
+    return Source(train, val, [str(i) for i in range(cfg.num_classes)])
+
+
+def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = False) -> Source:
+    """A torchvision dataset, downloaded into --data-dir the first time."""
+    import torchvision
+
+    cls = getattr(torchvision.datasets, class_name)
+    root = Path(cfg.data_dir)
+    # Under torchrun, rank 0 alone downloads while the others wait at a barrier: several
+    # processes writing the same archive at once would corrupt it.
+    distributed = dist.is_available() and dist.is_initialized()
+    downloader = not distributed or dist.get_rank() == 0
+    if not downloader:
+        dist.barrier()
+    try:
+        splits = [cls(str(root), train=t, download=False) for t in (True, False)]
+    except RuntimeError:
+        # Folders a failed download would leave empty behind it, deepest first.
+        absolute = root.absolute()
+        created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
+                               *absolute.parents) if not d.exists()]
+        try:
+            if not downloader:
+                raise RuntimeError("rank 0 could not download it") from None
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                splits = [cls(str(root), train=t, download=True) for t in (True, False)]
+        except Exception as err:
+            for folder in created if downloader else ():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if still empty
+            raise UserError(f"dataset {cfg.dataset} is not in {root.resolve()} and could not be downloaded "
+                            f"({type(err).__name__}); run once with network access, or copy the "
+                            f"torchvision {class_name} files there and pass --data-dir") from None
+    finally:
+        if downloader and distributed:
+            dist.barrier()
+    tensors = []
+    for ds in splits:
+        images = torch.as_tensor(ds.data)
+        images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+        tensors.append((images.contiguous(), torch.as_tensor(ds.targets).long()))
+    return Source(*tensors, list(splits[0].classes), pad=pad, flip=flip)
+
+
+def image_folder(cfg: Config) -> Source:
+    """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout."""
+    from torchvision import datasets
+
+    root = Path(cfg.data_dir)
+    layout = f"expected {root}/train/<class>/*.png|jpg and {root}/val/<class>/*"
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise UserError(f"imagefolder: {root / split} is missing; {layout}")
+    transform, loader = _file_reading(cfg)
+    try:
+        train, val = (datasets.ImageFolder(str(root / s), transform=transform, loader=loader)
+                      for s in ("train", "val"))
+    except (FileNotFoundError, RuntimeError) as err:
+        raise UserError(f"imagefolder: {str(err).splitlines()[0]}; {layout}") from None
+    if train.classes != val.classes:
+        raise UserError(f"imagefolder: train classes {train.classes} differ from val {val.classes}")
+    return Source(train, val, train.classes, pad=max(transform.size // 8, 1), flip=True,
+                  stats=_imagenet_stats(cfg.channels))
+
+
+def csv_images(cfg: Config) -> Source:
+    """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
+    as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
+    root = Path(cfg.data_dir)
+    rows = _csv_rows(root, "train.csv")
+    if (root / "val.csv").is_file():
+        train, val = rows, _csv_rows(root, "val.csv")
+    else:  # the split's own seed: the same val images whatever --seed says
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+        cut = max(1, round(cfg.val_fraction * len(rows)))
+        if cut >= len(rows):
+            raise UserError(f"csv: {root / 'train.csv'} has {len(rows)} rows, too few to split off a "
+                            f"--val-fraction of {cfg.val_fraction}; add rows or a val.csv")
+        train, val = [rows[i] for i in sorted(order[cut:])], [rows[i] for i in sorted(order[:cut])]
+    names = sorted({label for _, label in train})
+    unknown = sorted({label for _, label in val} - set(names))
+    if unknown:
+        raise UserError(f"csv: val labels {unknown[:5]} never occur in the training rows; every class "
+                        "needs training examples")
+    index = {name: i for i, name in enumerate(names)}
+    transform, loader = _file_reading(cfg)
+    train, val = (_Files([(file, index[label]) for file, label in split], transform, loader)
+                  for split in (train, val))
+    return Source(train, val, names, pad=max(transform.size // 8, 1), flip=cfg.flip,
+                  stats=_imagenet_stats(cfg.channels))
+
+
+# The one list of dataset names: --dataset, --help, the README table and the tests read it.
+DATASETS = {
+    "digits": digits,
+    "mnist": functools.partial(torchvision_set, "MNIST"),
+    "fashion_mnist": functools.partial(torchvision_set, "FashionMNIST"),
+    "cifar10": functools.partial(torchvision_set, "CIFAR10", pad=4, flip=True),
+    "cifar100": functools.partial(torchvision_set, "CIFAR100", pad=4, flip=True),
+    "imagefolder": image_folder,
+    "csv": csv_images,
+    "synthetic": synthetic,
+}
+configs.REGISTRIES["dataset"] = DATASETS
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass
 class DataInfo:
-    num_classes: int
-    channels: int
-    image_size: int
+    input_shape: tuple[int, ...]  # one example as the model receives it, e.g. (1, 8, 8) or (1, 256)
+    names: list[str]  # one per model output
     train_size: int
     val_size: int
     loader: str  # what serves the batches, said once at start-up
-    class_names: list[str] = field(default_factory=list)  # the dataset's, or the class numbers
-    notes: list[str] = field(default_factory=list)  # resizing and normalization, said once at start-up
+    images: bool  # whether the image steps apply
+    notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
+
+    @property
+    def channels(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.names)
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return seed * 1_000_003 + epoch
+@dataclass
+class ImageSteps:
+    """What image batches get on the device: crop and flip (training only), then normalization."""
+
+    mean: torch.Tensor  # per channel, in [0, 1]
+    std: torch.Tensor
+    pad: int = 0
+    flip: bool = False
+    channels_last: bool = False
+    resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
 
 
 def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, flip: bool = False,
@@ -59,7 +224,7 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
     Everything is drawn for the whole dataset from one (seed, epoch) generator and then sharded,
     so results depend on neither the device nor where in the epoch a resumed run starts.
     """
-    g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if shuffle:
         order = torch.randperm(n, generator=g)
         usable = n // world_size * world_size  # equal shards, as DistributedSampler(drop_last)
@@ -91,40 +256,27 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
     return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
 
 
-class _Indices(torch.utils.data.Sampler):
-    """The sampler of a DataLoader that lives across epochs: each epoch sets its own order."""
-
-    def __init__(self):
-        self.indices: list[int] = []
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 class Batches:
     """Batches for one split, from device-resident tensors or from a DataLoader.
 
     `epoch(e, start)` yields this rank's batches of epoch e from batch `start` on; iterating the
     object itself replays epoch 0 (enough for lr_find). Training drops the last partial batch,
-    evaluation never does.
+    evaluation never does. `image` None: the inputs are not images and pass as they are (floats
+    as float32).
     """
 
-    def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool,
-                 mean: torch.Tensor, std: torch.Tensor, pad: int, flip: bool, seed: int,
-                 device: torch.device, rank: int = 0, world_size: int = 1,
-                 channels_last: bool = False, num_workers: int = 0, resize: int = 0):
-        self.source, self.labels = source, labels
+    def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
+                 device: torch.device, image: ImageSteps | None = None, rank: int = 0,
+                 world_size: int = 1, num_workers: int = 0):
+        self.source, self.labels, self.image = source, labels, image
         self.on_device = isinstance(source, torch.Tensor)
-        self.batch_size, self.train, self.pad, self.flip = batch_size, train, pad, flip
-        self.seed, self.device, self.rank, self.world_size = seed, device, rank, world_size
-        self.channels_last, self.num_workers = channels_last, num_workers
-        self.resize = resize  # square size a model needs (a ViT, say); 0 keeps the images' own
+        self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self._loader = None
-        self.scale = (1 / (255 * std)).view(1, -1, 1, 1).to(device)
-        self.shift = (mean / std).view(1, -1, 1, 1).to(device)
+        if image is not None:
+            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
+            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
+        self.pixels = self.denormalize if image is not None else None  # what pictures show
 
     @property
     def num_examples(self) -> int:
@@ -140,10 +292,11 @@ class Batches:
         return self.epoch(0)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        pad = self.pad if self.train else 0
-        order, offsets, flips = epoch_plan(
-            self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
-            flip=self.flip and self.train, rank=self.rank, world_size=self.world_size)
+        image = self.image
+        pad = image.pad if image and self.train else 0
+        flip = bool(image and image.flip and self.train)
+        order, offsets, flips = epoch_plan(self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
+                                           flip=flip, rank=self.rank, world_size=self.world_size)
         count, bs = len(self), self.batch_size
         order, offsets, flips = (t[: count * bs] for t in (order, offsets, flips))
         offsets, flips = offsets.to(self.device), flips.to(self.device)
@@ -153,13 +306,16 @@ class Batches:
                    for i in range(start, count))
         else:
             raw = self._from_workers(order[start * bs:].tolist())
-        for i, (images, targets) in enumerate(raw, start):
-            images = images.to(self.device, non_blocking=True)
+        for i, (inputs, targets) in enumerate(raw, start):
+            inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            if self.train and (pad or self.flip):
-                window = slice(i * bs, i * bs + len(images))
-                images = augment(images, offsets[window], flips[window], pad)
-            yield self._normalize(images), targets
+            if image is None:
+                yield (inputs.float() if inputs.is_floating_point() else inputs), targets
+                continue
+            if pad or flip:
+                window = slice(i * bs, i * bs + len(inputs))
+                inputs = augment(inputs, offsets[window], flips[window], pad)
+            yield self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs: its workers start once, not at every epoch and evaluation.
@@ -180,89 +336,100 @@ class Batches:
         return iter(self._loader)
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
-        memory = torch.channels_last if self.channels_last else torch.contiguous_format
+        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
         x = images.to(dtype=torch.float32, memory_format=memory)
-        if self.resize:
-            x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear",
-                              align_corners=False).contiguous(memory_format=memory)
+        if self.image.resize:
+            size = (self.image.resize, self.image.resize)
+            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+            x = x.contiguous(memory_format=memory)
         return x.mul_(self.scale).sub_(self.shift)
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Batches as the model receives them back to pixel values in [0, 1], to look at."""
+        """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
         return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
 
-def _digits() -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
+class _Indices(torch.utils.data.Sampler):
+    """The sampler of a DataLoader that lives across epochs: each epoch sets its own order."""
 
-    bunch = load_digits()
-    images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
-    labels = torch.from_numpy(bunch.target).long()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797))
-    val, train = order[:360], order[360:]
-    return images[train], labels[train], images[val], labels[val]
+    def __init__(self):
+        self.indices: list[int] = []
 
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
 
-def _synthetic(cfg: Config) -> tuple[torch.Tensor, ...]:
-    """Class templates (smooth random patterns) plus noise: learnable, deterministic, any shape."""
-    size = cfg.image_size or 16
-    g = torch.Generator().manual_seed(12345)
-    coarse = torch.rand(cfg.num_classes, cfg.channels, 4, 4, generator=g)
-    templates = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
-
-    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = torch.randint(0, cfg.num_classes, (n,), generator=g)
-        noise = torch.randn(n, cfg.channels, size, size, generator=g) * 0.25
-        images = ((templates[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8)
-        return images, labels
-
-    train, val = draw(cfg.synthetic_size), draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
-    return *train, *val
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
-def _torchvision_set(cfg: Config) -> tuple:
-    """Train images, labels, val images, labels, and the class names."""
-    import torchvision
+def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
+                  world_size: int = 1) -> tuple[Batches, Batches, DataInfo]:
+    """Train and val batches for `cfg.dataset` on `device`, sharded for this rank."""
+    if cfg.batch_size % world_size:
+        raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
+    source = DATASETS[cfg.dataset](cfg)
+    files = not isinstance(source.train, tuple)
+    sample = source.train[0][0]  # the first input: of the tensor, or read from the first file
+    shape = tuple(sample.shape)
+    images = sample.dtype == torch.uint8 and len(shape) == 3
+    needs, notes = input_needs(cfg.model, cfg.pretrained), []
+    if not images and needs.size:
+        raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
+                        f"{list(shape)} {sample.dtype} tensors, not uint8 images; add a model of your own "
+                        "to MODELS in models.py")
+    image, resize = None, 0
+    if images:
+        channels, size = shape[0], shape[-1]
+        if needs.size and (size != needs.size if needs.exact else size < needs.size):
+            want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
+            if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
+                raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} "
+                                "(or leave it out)")
+            resize = needs.size
+            notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to "
+                         f"{resize}x{resize} on the device")
+        mean, std = (torch.tensor(s) for s in source.stats) if source.stats else _stats(source.train[0])
+        if needs.mean:  # --pretrained: the normalization the weights were trained with
+            mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
+            if channels != 3:
+                mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
+            notes.append(f"inputs normalized with {needs.weights}'s mean and std")
+        image = ImageSteps(mean, std, source.pad if cfg.augment else 0,
+                           source.flip and cfg.flip and cfg.augment, cfg.channels_last, resize)
+    else:
+        notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
+                     "normalization or channels_last")
+    if files:
+        mode = "dataloader"
+        if cfg.loader == "device":
+            raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
+        sources = ((source.train, None), (source.val, None))
+    else:
+        mode = cfg.loader
+        if mode == "auto":
+            nbytes = sum(t.nbytes for split in (source.train, source.val) for t in split)
+            mode = "device" if _fits_on(device, nbytes) else "dataloader"
+        if mode == "device":
+            sources = tuple(tuple(t.to(device) for t in split) for split in (source.train, source.val))
+        else:
+            sources = tuple((torch.utils.data.TensorDataset(*split), None)
+                            for split in (source.train, source.val))
+    common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
+                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size)
+    train_batches = Batches(*sources[0], train=True, **common)
+    val_batches = Batches(*sources[1], train=False, **common)
+    if len(train_batches) == 0:
+        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
+                        f"set ({train_batches.num_examples}); lower --batch-size")
+    loader = (f"device-resident tensors on {device.type}" if mode == "device"
+              else f"DataLoader with {cfg.num_workers} workers")
+    input_shape = (shape[0], resize, resize) if resize else shape
+    info = DataInfo(input_shape, list(source.names), train_batches.num_examples, val_batches.num_examples,
+                    loader, images, notes)
+    return train_batches, val_batches, info
 
-    class_name, _ = TORCHVISION_SETS[cfg.dataset]
-    cls = getattr(torchvision.datasets, class_name)
-    root = Path(cfg.data_dir)
-    # Under torchrun, rank 0 alone downloads while the others wait at a barrier: several
-    # processes writing the same archive at once would corrupt it.
-    distributed = dist.is_available() and dist.is_initialized()
-    downloader = not distributed or dist.get_rank() == 0
-    if not downloader:
-        dist.barrier()
-    try:
-        splits = [cls(str(root), train=t, download=False) for t in (True, False)]
-    except RuntimeError:
-        # Folders a failed download would leave empty behind it, deepest first.
-        absolute = root.absolute()
-        created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
-                               *absolute.parents) if not d.exists()]
-        try:
-            if not downloader:
-                raise RuntimeError("rank 0 could not download it")
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                splits = [cls(str(root), train=t, download=True) for t in (True, False)]
-        except Exception as err:
-            for folder in created if downloader else ():
-                with contextlib.suppress(OSError):
-                    folder.rmdir()  # only if still empty
-            raise UserError(
-                f"dataset {cfg.dataset} is not in {root.resolve()} and could not be downloaded "
-                f"({type(err).__name__}); run once with network access, or copy the "
-                f"torchvision {class_name} files there and pass --data-dir"
-            ) from None
-    finally:
-        if downloader and distributed:
-            dist.barrier()
-    out = []
-    for ds in splits:
-        images = torch.as_tensor(ds.data)
-        images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
-        out += [images.contiguous(), torch.as_tensor(ds.targets).long()]
-    return *out, getattr(splits[0], "classes", None)
+
+# ---------------------------------------------------------------- files and statistics
 
 
 class UnreadableImage(UserError):
@@ -293,28 +460,66 @@ def read_image(path: str, mode: str = "RGB"):
                               f"{reason}") from None
 
 
-def _image_folder(cfg: Config, size: int):
-    from torchvision import datasets, transforms
+class _Files(torch.utils.data.Dataset):
+    """(path, class index) pairs read as images, as ImageFolder reads its folders."""
 
-    root = Path(cfg.data_dir)
+    def __init__(self, items: list[tuple[Path, int]], transform, loader):
+        self.items, self.transform, self.loader = items, transform, loader
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        path, label = self.items[i]
+        return self.transform(self.loader(str(path))), label
+
+
+def _file_reading(cfg: Config):
+    """Image files' transform (resize, center crop, to uint8 CHW) and loader (RGB or grayscale)."""
+    from torchvision import transforms
+
     if cfg.channels not in (1, 3):
-        raise UserError(f"imagefolder loads images as RGB (--channels 3) or grayscale (--channels 1), "
+        raise UserError(f"{cfg.dataset} loads images as RGB (--channels 3) or grayscale (--channels 1), "
                         f"not with {cfg.channels} channels")
-    layout = f"expected {root}/train/<class>/*.png|jpg and {root}/val/<class>/*"
-    loader = functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise UserError(f"imagefolder: {root / split} is missing; {layout}")
-    tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
-                             transforms.PILToTensor()])
+    needs = input_needs(cfg.model, cfg.pretrained)
+    size = cfg.image_size or needs.crop or max(needs.size, 32)
+    transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
+                                    transforms.PILToTensor()])
+    transform.size = size
+    return transform, functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
+
+
+def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
+    """(file, label) rows of root/name; the columns named file and label, else the first two."""
+    path = root / name
     try:
-        train, val = (datasets.ImageFolder(str(root / s), transform=tf, loader=loader)
-                      for s in ("train", "val"))
-    except (FileNotFoundError, RuntimeError) as err:
-        raise UserError(f"imagefolder: {str(err).splitlines()[0]}; {layout}") from None
-    if train.classes != val.classes:
-        raise UserError(f"imagefolder: train classes {train.classes} differ from val {val.classes}")
-    return train, val, len(train.classes)
+        with open(path, newline="", encoding="utf-8") as f:
+            table = list(csv.reader(f))
+    except OSError as err:
+        raise UserError(f"csv: cannot read {path} ({err.strerror or err}); expected {root}/train.csv "
+                        "with rows of file,label") from None
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise UserError(f"csv: {path} is not a UTF-8 CSV file ({type(err).__name__})") from None
+    if len(table) < 2:
+        raise UserError(f"csv: {path} has no rows below its header; expected rows of file,label")
+    header = [h.strip().lower() for h in table[0]]
+    file_col, label_col = (header.index(c) if c in header else i for i, c in enumerate(("file", "label")))
+    rows = []
+    for number, row in enumerate(table[1:], 2):
+        if len(row) <= max(file_col, label_col) or not row[file_col].strip():
+            raise UserError(f"csv: {path} line {number} has no file and label")
+        file = root / row[file_col].strip()
+        if not file.is_file():
+            raise UserError(f"csv: {path} line {number} names {file}, which does not exist")
+        rows.append((file, row[label_col].strip()))
+    return rows
+
+
+def _imagenet_stats(channels: int) -> tuple:
+    mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
+    if channels == 1:  # grayscale: the average of ImageNet's channel statistics
+        mean, std = mean.mean().view(1), std.mean().view(1)
+    return mean.tolist(), std.tolist()
 
 
 def _stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,74 +532,3 @@ def _fits_on(device: torch.device, nbytes: int) -> bool:
         return True  # the tensors are already in host memory
     free, _ = torch.cuda.mem_get_info(device)
     return nbytes <= DEVICE_MEMORY_SHARE * free
-
-
-def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
-                  world_size: int = 1) -> tuple[Batches, Batches, DataInfo]:
-    """Train and val batches for `cfg.dataset` on `device`, sharded for this rank."""
-    if cfg.batch_size % world_size:
-        raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
-    per_rank = cfg.batch_size // world_size
-    needs = input_needs(cfg.model, cfg.pretrained)  # its input size; --pretrained: its normalization
-    if cfg.dataset == "imagefolder":
-        size = cfg.image_size or needs.crop or max(needs.size, 32)
-        train, val, num_classes = _image_folder(cfg, size)
-        channels, names = cfg.channels, train.classes
-        mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
-        if channels == 1:  # grayscale: the average of ImageNet's channel statistics
-            mean, std = mean.mean().view(1), std.mean().view(1)
-        sources, mode = ((train, None), (val, None)), "dataloader"
-        if cfg.loader == "device":
-            raise UserError("imagefolder reads files through workers; use --loader dataloader")
-    else:
-        if cfg.dataset == "digits":
-            tensors, num_classes, names = _digits(), 10, [str(d) for d in range(10)]
-        elif cfg.dataset == "synthetic":
-            tensors, num_classes, names = _synthetic(cfg), cfg.num_classes, None
-        else:
-            *tensors, names = _torchvision_set(cfg)
-            num_classes = TORCHVISION_SETS[cfg.dataset][1]
-        x_train, y_train, x_val, y_val = tensors
-        channels, size = x_train.shape[1], x_train.shape[-1]
-        mean, std = _stats(x_train)
-        mode = cfg.loader
-        if mode == "auto":
-            fits = _fits_on(device, x_train.numel() + x_val.numel())
-            mode = "device" if fits else "dataloader"
-        if mode == "device":
-            sources = ((x_train.to(device), y_train.to(device)), (x_val.to(device), y_val.to(device)))
-        else:
-            ds = torch.utils.data.TensorDataset
-            sources = ((ds(x_train, y_train), None), (ds(x_val, y_val), None))
-    notes, resize = [], 0
-    if needs.size and (size != needs.size if needs.exact else size < needs.size):
-        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
-        if cfg.image_size and cfg.dataset in ("imagefolder", "synthetic"):
-            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} "
-                            "(or leave it out)")
-        resize = needs.size
-        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to "
-                     f"{resize}x{resize} on the device")
-    if needs.mean:  # --pretrained: the normalization the weights were trained with
-        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
-        if channels != 3:
-            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
-        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
-    common = dict(mean=mean, std=std, pad=PADDING.get(cfg.dataset, max(size // 8, 1)),
-                  flip=cfg.flip and cfg.dataset in FLIPS, seed=cfg.seed, device=device, rank=rank,
-                  world_size=world_size, channels_last=cfg.channels_last,
-                  num_workers=cfg.num_workers, resize=resize)
-    if not cfg.augment:
-        common.update(pad=0, flip=False)
-    (train_src, train_lab), (val_src, val_lab) = sources
-    train_batches = Batches(train_src, train_lab, batch_size=per_rank, train=True, **common)
-    val_batches = Batches(val_src, val_lab, batch_size=per_rank, train=False, **common)
-    if len(train_batches) == 0:
-        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
-                        f"set ({train_batches.num_examples}); lower --batch-size")
-    loader = (f"device-resident uint8 tensors on {device.type}" if mode == "device"
-              else f"DataLoader with {cfg.num_workers} workers")
-    names = list(names) if names else [str(i) for i in range(num_classes)]
-    info = DataInfo(num_classes, channels, resize or size, train_batches.num_examples,
-                    val_batches.num_examples, loader, names, notes)
-    return train_batches, val_batches, info

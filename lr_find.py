@@ -9,6 +9,7 @@ torch (matplotlib and TensorBoard only to draw), so this file can be copied alon
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import functools
 import io
@@ -254,12 +255,18 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
 def main(argv: list[str] | None = None) -> None:
     """`python lr_find.py [--config X.toml] [--flag value ...]`: sweep the setup that train.py builds
     from the same flags, save the sweep and print the suggestions."""
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
 
-    import runtime
-    from configs import command_line, exit_with_error, parse_or_exit
-    from data import build_loaders
-    from models import build_model, build_optimizer
+        import distributed
+        import task
+        from configs import UserError, command_line, exit_with_error, parse_or_exit
+        from data import build_loaders
+        from models import amp_setup, build_model, build_optimizer
+    except ImportError as err:
+        raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
+                         f"files ({err.name} is missing); the library part, `from lr_find import lr_find`, "
+                         "works in this file alone") from None
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and os.environ.get("RANK", "0") != "0":
@@ -269,24 +276,23 @@ def main(argv: list[str] | None = None) -> None:
     if world_size > 1:
         print(f"lr_find.py: one sweep is enough: rank 0 runs it, the other {world_size - 1} processes exit")
     try:  # the data, model and optimizer that train.py builds from the same flags
-        runtime.check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
-        device = runtime.pick_device(cfg.device)
+        from checkpoints import check_writable_dir
+
+        check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
+        device = distributed.pick_device(cfg.device)
         torch.manual_seed(cfg.seed)
         batches, _, info = build_loaders(cfg, device)
-        model = build_model(cfg, info.channels, info.num_classes, device)
-        amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+        model = build_model(cfg, info.channels, info.num_outputs, device)
+        amp_dtype, scaler = amp_setup(device, cfg.amp)
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
         with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:
-            result = runtime.sweep_lr(cfg, model, optimizer, batches, amp_dtype, scaler, device,
-                                      progress=lambda i, lr, loss: bar.update())
-        with runtime.reporting_write_errors(cfg.out_dir):
-            wrote = save_sweep(result, cfg.to_dict(), cfg.out_dir)
-    except ValueError as err:  # configs.UserError is one
+            result, wrote, why = sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler, device,
+                                             progress=lambda i, lr, loss: bar.update())
+    except UserError as err:
         exit_with_error(str(err))
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
-        why = _why_none(suggestion_curve(result.lrs, result.losses))
         exit_with_error(f"no learning rate suggested ({why}); widen --find-start-lr/--find-end-lr or raise "
                         "--find-iters, and look at lr_find.png", status=1)
     others = "".join(f"; for {'/'.join(_SERVED[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
@@ -294,6 +300,40 @@ def main(argv: list[str] | None = None) -> None:
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
     not_for_training = [name for name in cfg.to_dict() if name == "lr" or name.startswith("find_")]
     print(f"next: {command_line('train.py', cfg, leave_out=tuple(not_for_training))} --lr auto")
+
+
+def sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler, device, batches_per_step: int = 1,
+                progress=None) -> tuple[LRFindResult, list, str | None]:
+    """The range test on train.py's model, data, task loss and a sweep `optimizer`, as `python
+    lr_find.py` and `train.py --lr find` both run it, and its files written: (result, what it wrote,
+    why there is no suggestion). Its record names the task, so --lr auto refuses another task's sweep.
+    Under torchrun (train.py's --lr find), rank 0 sweeps with `batches_per_step` of its batches a step."""
+    from checkpoints import reporting_write_errors
+    from configs import UserError
+
+    stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.closing(stream):
+            warnings.simplefilter("always")
+            result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg), stream,
+                             start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
+                             accum_steps=cfg.accum_steps * batches_per_step, autocast_dtype=amp_dtype,
+                             scaler=scaler, device=device, schedule=cfg.schedule, progress=progress,
+                             method=None if cfg.find_method == "auto" else cfg.find_method)
+    except ValueError as err:  # lr_find's checks of its arguments
+        raise UserError(str(err)) from None
+    with reporting_write_errors(cfg.out_dir):
+        wrote = save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir)
+    why = "; ".join(str(w.message).removeprefix("lr_find: no suggestion, ") for w in caught) or None
+    return result, wrote, why
+
+
+def task_identity(task) -> dict:
+    """The task a sweep measured: its name and a hash of its source, so that an edited loss counts."""
+    import hashlib
+    import inspect
+
+    return {"name": task.NAME, "source": hashlib.sha256(inspect.getsource(task).encode()).hexdigest()[:16]}
 
 
 # pragma: no mutate end

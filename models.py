@@ -1,9 +1,10 @@
-"""Models by name and the one optimizer builder both scripts use.
+"""Models and optimizers by name, and the precision they train in.
 
 `resnet_small` is the default: a few residual blocks that train in seconds on 8-64 px images.
 `resnet9` is the well-known fast CIFAR-10 network. Your own go into MODELS, one line each. Any
 other name goes to torchvision's model registry, with its ImageNet weights under --pretrained.
-A new run can also start from a checkpoint's weights (--init-from).
+A new run can also start from a checkpoint's weights (--init-from). OPTIMIZERS is the one list of
+optimizers, each with its kind, which lr_find's rules read.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import contextlib
 import difflib
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-import runtime
+import configs
+from checkpoints import load_checkpoint
 from configs import Config, UserError
 
 
@@ -45,20 +48,20 @@ def head_dropout(p: float) -> list[nn.Module]:
 class ResNetSmall(nn.Sequential):
     """Three stages (width, 2x, 4x), halving resolution between them; fine from 8 px up."""
 
-    def __init__(self, channels: int, num_classes: int, width: int = 32, dropout: float = 0.0):
+    def __init__(self, channels: int, num_outputs: int, width: int = 32, dropout: float = 0.0):
         super().__init__(
             conv_bn(channels, width), Residual(width),
             conv_bn(width, 2 * width, stride=2), Residual(2 * width),
             conv_bn(2 * width, 4 * width, stride=2), Residual(4 * width),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), *head_dropout(dropout),
-            nn.Linear(4 * width, num_classes),
+            nn.Linear(4 * width, num_outputs),
         )
 
 
 class ResNet9(nn.Sequential):
     """The DAWNBench-style ResNet-9 for 32 px images: four stages, two residual, max-pooling."""
 
-    def __init__(self, channels: int, num_classes: int, width: int = 64, dropout: float = 0.0):
+    def __init__(self, channels: int, num_outputs: int, width: int = 64, dropout: float = 0.0):
         def stage(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(conv_bn(cin, cout), nn.MaxPool2d(2))
 
@@ -68,11 +71,12 @@ class ResNet9(nn.Sequential):
             stage(2 * width, 4 * width),
             stage(4 * width, 8 * width), Residual(8 * width),
             nn.AdaptiveMaxPool2d(1), nn.Flatten(), *head_dropout(dropout),
-            nn.Linear(8 * width, num_classes, bias=False),
+            nn.Linear(8 * width, num_outputs, bias=False),
         )
 
 
-# Our own models by name; `--model NAME` builds MODELS[NAME](channels, num_classes, width, dropout).
+# Our own models by name; `--model NAME` builds MODELS[NAME](channels, num_outputs, width, dropout),
+# where channels is the size of the inputs' first dimension ([C, H, W] images, [C, L] signals).
 # To add one, write its class above and add its line here.
 MODELS = {
     "resnet_small": ResNetSmall,
@@ -133,7 +137,7 @@ def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
     return needs
 
 
-def build_model(cfg: Config, channels: int, num_classes: int,
+def build_model(cfg: Config, channels: int, num_outputs: int,
                 device: torch.device | str = "cpu") -> nn.Module:
     """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it.
 
@@ -141,14 +145,14 @@ def build_model(cfg: Config, channels: int, num_classes: int,
     every weight from its own checkpoint, so they are not loaded then.
     """
     starting = not (cfg.resume or cfg.evaluate)
-    model = _architecture(cfg, channels, num_classes, pretrained=cfg.pretrained and starting)
+    model = _architecture(cfg, channels, num_outputs, pretrained=cfg.pretrained and starting)
     if cfg.init_from and starting:
         if not Path(cfg.init_from).is_file():
             raise UserError(f"--init-from {cfg.init_from}: no such file (a best.pt, last.pt or state_dict)")
-        state = runtime.load_checkpoint(cfg.init_from)
+        state = load_checkpoint(cfg.init_from)
         saved = state.get("config")  # ours says what it was trained as
         hint = f"it holds {saved.get('model')} width {saved.get('width')}" if isinstance(saved, dict) else ""
-        head = load_weights(model, weights_of(state), num_classes, f"--init-from {cfg.init_from}", hint)
+        head = load_weights(model, weights_of(state), num_outputs, f"--init-from {cfg.init_from}", hint)
         _say(f"weights from {cfg.init_from}" + (f"; {head}" if head else ""))
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory)
@@ -169,14 +173,14 @@ def weights_of(state: dict) -> dict:
     return out
 
 
-def load_weights(model: nn.Module, weights: dict, num_classes: int, source: str,
+def load_weights(model: nn.Module, weights: dict, num_outputs: int, source: str,
                  hint: str = "", new_head: bool = True) -> str:
     """Copy `weights` into `model`. A classifier head for another number of classes (tensors whose
-    first dimension alone differs, num_classes here) keeps its fresh initialization when
+    first dimension alone differs, num_outputs here) keeps its fresh initialization when
     `new_head`; any other difference is one UserError line. Returns what happened to the head."""
     own = model.state_dict()
     head = [k for k in own.keys() & weights.keys() if isinstance(weights[k], torch.Tensor)
-            and own[k].shape != weights[k].shape and own[k].shape[0] == num_classes
+            and own[k].shape != weights[k].shape and own[k].shape[0] == num_outputs
             and own[k].shape[1:] == weights[k].shape[1:]]
     old = {weights[k].shape[0] for k in head}
     if not new_head or len(old) != 1:
@@ -198,7 +202,7 @@ def load_weights(model: nn.Module, weights: dict, num_classes: int, source: str,
     if not head:
         return ""
     layers = sorted({k.rsplit(".", 1)[0] for k in head})
-    return f"classifier head {', '.join(layers)} re-initialised for {num_classes} classes (was {old.pop()})"
+    return f"classifier head {', '.join(layers)} re-initialised for {num_outputs} classes (was {old.pop()})"
 
 
 def _shape(value) -> str:
@@ -211,19 +215,19 @@ def _say(text: str) -> None:
         print(text)
 
 
-def _architecture(cfg: Config, channels: int, num_classes: int, pretrained: bool = False) -> nn.Module:
+def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool = False) -> nn.Module:
     needs = input_needs(cfg.model, cfg.pretrained)
     if cfg.model in MODELS:
-        return MODELS[cfg.model](channels, num_classes, cfg.width, cfg.dropout)
+        return MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)
     if cfg.dropout:  # torchvision builders differ: some take `dropout`, some silently ignore it
         raise UserError(f"--dropout applies to {', '.join(MODELS)}; {cfg.model} keeps "
                         "torchvision's own dropout (set it in models.py)")
     import torchvision
 
     options = {"image_size": needs.size} if needs.exact else {}  # a ViT is built for one size
-    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes, **options)
+    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_outputs, **options)
     if pretrained:
-        head = load_weights(model, _pretrained_weights(cfg.model), num_classes,
+        head = load_weights(model, _pretrained_weights(cfg.model), num_outputs,
                             f"--pretrained {needs.weights}")
         _say(f"pretrained weights: torchvision's {needs.weights}" + (f"; {head}" if head else ""))
     if channels != 3:  # torchvision models expect RGB: a learned 1x1 conv maps channels to 3
@@ -257,12 +261,40 @@ def _pretrained_weights(name: str) -> dict:
             raise UserError(f"--pretrained needs {file.name} and could not download it ({reason}); "
                             f"without network, copy it from {weights.url} into {folder} "
                             "($TORCH_HOME/hub/checkpoints)") from None
-    return weights_of(runtime.load_checkpoint(file))
+    return weights_of(load_checkpoint(file))
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """How to build one optimizer from the config, and its kind: "sgd" or "adaptive" (Adam-like),
+    which picks lr_find's suggestion rules. `settings`: the config fields it reads besides lr and
+    weight_decay (--lr auto compares them only between sweeps of optimizers that read them)."""
+
+    build: Callable[[list[dict], float, Config, dict], torch.optim.Optimizer]
+    kind: str
+    settings: tuple[str, ...] = ()
+
+
+def _sgd(groups: list[dict], lr: float, cfg: Config, options: dict) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                           **options)
+
+
+def _adamw(groups: list[dict], lr: float, cfg: Config, options: dict) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, **options)
+
+
+# The one list of optimizers: --optimizer, --help, lr_find's rules and the tests read it.
+OPTIMIZERS = {
+    "sgd": OptimizerEntry(_sgd, "sgd", ("momentum", "nesterov")),
+    "adamw": OptimizerEntry(_adamw, "adaptive"),
+}
+configs.REGISTRIES["optimizer"] = OPTIMIZERS
 
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float,
                     fused: bool | None = None) -> torch.optim.Optimizer:
-    """SGD (momentum, nesterov) or AdamW; no weight decay on biases and norm layers' weights.
+    """OPTIMIZERS[cfg.optimizer], with no weight decay on biases and norm layers' weights.
 
     Two param groups: decayed (matrices, conv kernels) and not (anything 1-D). `fused` None
     decides by `fused_by_default`; True or False forces it (fused kernels exist on CPU too).
@@ -276,10 +308,7 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float,
     if fused is None:
         fused = bool(params) and fused_by_default(cfg, params[0].device)
     options = {"fused": True} if fused else {}  # else torch's default (foreach where it helps)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **options)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
-                           nesterov=cfg.nesterov and cfg.momentum > 0, **options)
+    return OPTIMIZERS[cfg.optimizer].build(groups, lr, cfg, options)
 
 
 def fused_by_default(cfg: Config, device: torch.device) -> bool:
@@ -293,4 +322,31 @@ def fused_by_default(cfg: Config, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     sgd_momentum = cfg.optimizer == "sgd" and cfg.momentum > 0
-    return not (sgd_momentum and runtime.amp_dtype(device, cfg.amp) == torch.float16)
+    return not (sgd_momentum and amp_dtype(device, cfg.amp) == torch.float16)
+
+
+# ---------------------------------------------------------------- AMP
+
+
+def amp_setup(device: torch.device, mode: str) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """Autocast dtype and GradScaler: bf16 where the device has it, else fp16 with a scaler."""
+    dtype = amp_dtype(device, mode)
+    return dtype, torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+
+def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
+    """The autocast dtype `mode` means on `device`; None is off.
+
+    "auto" is off on CPU and MPS, where autocast rarely pays; bf16 or fp16 can still be forced.
+    On CUDA it is bf16 only where the GPU computes in it natively (Ampere and later): V100 and
+    T4 emulate bf16 slowly, which torch counts as supported unless including_emulation=False.
+    """
+    if mode == "auto":
+        if device.type != "cuda":
+            return None
+        mode = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

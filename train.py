@@ -1,231 +1,286 @@
-"""Train an image classifier: `python train.py [--config configs/X.toml] [--field value ...]`.
+"""Train a model: `python train.py [--config configs/X.toml] [--field value ...]`.
 
-Read top to bottom: config -> data -> model and optimizer -> schedule -> (resume) -> loop ->
-evaluate each epoch -> checkpoint -> summary. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
+Read top to bottom: setup (config, data, model, optimizer, schedule, resume), then the loop: for
+each optimizer step its micro-batches, a log point now and then, a save on Ctrl-C or SIGTERM; at
+each epoch's end an evaluation and a checkpoint; at the end the summary. What the outputs mean
+(the loss, the metrics, the pictures) is task.py; what surrounds the loop is in checkpoints.py,
+distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
 `python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead.
-What surrounds the loop (checkpoint files, torchrun agreement, TensorBoard) is in runtime.py.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import shlex
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-import runtime
-from configs import Config, UserError, evaluated_config, exit_with_error, parse_given, resolve_lr, validate
+import checkpoints
+import configs
+import distributed
+import logs
+import lr_find
+import task as default_task
+from configs import Config, UserError, command_line, evaluated_config, lr_setup_differences, parse_given
 from data import UnreadableImage, build_loaders
-from models import build_model, build_optimizer, load_weights, weights_of
+from models import OPTIMIZERS, amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 
-def train(cfg: Config, given: dict | None = None) -> dict:
-    """One training run. Resuming, the checkpoint's config is used with `given` (the settings the
-    command line gave) on top; given None means every field of cfg counts as given."""
-    # Setup. A resume continues with the checkpoint's config, checked against what was given now.
-    ckpt = None
-    if cfg.resume:
-        ckpt, path, cfg = runtime.load_resume(cfg, given)
-    rank, world_size, device = runtime.setup_distributed(cfg.device)
+@dataclass
+class Run:
+    """Where a run stands. The first seven fields are saved in each checkpoint and read back on
+    resume; the others are this process's own."""
+
+    epoch: int = 0  # the run continues at this epoch's batch `batch`
+    batch: int = 0
+    step: int = 0  # optimizer steps taken
+    best: float | None = None  # the best val value of the task's main metric so far
+    start_loss: float | None = None  # the run's first batch loss, the yardstick for divergence
+    seconds_before: float = 0.0  # training time of the run's earlier parts, up to their last save
+    part: int = 1  # 2 and up: resumed
+    started: float = field(default_factory=time.perf_counter)  # when this part's loop started
+    saved_at: tuple | None = None  # (epoch, batch) and step of the last.pt on disk, if any
+    saved_step: int | None = None
+    first_loss: torch.Tensor | None = None  # start_loss still on the device
+    losses: list = field(default_factory=list)  # batch losses since the last log point, on the device
+    rates: list = field(default_factory=list)  # (step, lr) since the last log point, on the host
+
+    def improves(self, score: float, higher_is_better: bool) -> bool:
+        """Whether an evaluation's main metric beats the best so far, which it then becomes."""
+        better = self.best is None or (score > self.best if higher_is_better else score < self.best)
+        self.best = score if better else self.best
+        return better
+
+
+def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
+    """One run. A resume takes the checkpoint's config, `given` (the flags given; None: all of cfg) on top."""
+    # Setup. A resume continues with the checkpoint's config, checked against what was given now;
+    # an --out-dir that cannot be written, or holds an unfinished run, is refused before any data loads.
+    ckpt, path, cfg = checkpoints.load_resume(cfg, given, task.NAME) if cfg.resume else (None, None, cfg)
+    rank, world_size, device = distributed.setup(cfg.device)
     is_main = rank == 0  # rank 0 alone prints, logs and saves
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
-    lr = resolve_lr(cfg, say)  # a number (--lr auto: lr_find.json's); None: --lr find, below
-    # An unwritable --out-dir, or one holding an unfinished run, is refused before any data is loaded.
-    runtime.on_rank0(runtime.check_writable_dir, out_dir)
-    if not ckpt:
-        runtime.on_rank0(runtime.refuse_unfinished_run, out_dir / "last.pt")
+    lr = resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find, below
+    distributed.on_rank0(checkpoints.check_out_dir, out_dir, ckpt is not None)
     torch.manual_seed(cfg.seed)
 
-    # Data, model, optimizer and schedule, built as lr_find.py builds them.
+    # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
-    batches, names = len(train_batches), info.class_names
-    model = build_model(cfg, info.channels, info.num_classes, device)
-    amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+    batches = len(train_batches)
+    model = build_model(cfg, info.channels, info.num_outputs, device)
+    amp_dtype, scaler = amp_setup(device, cfg.amp)
+    criterion = functools.partial(task.loss, cfg=cfg)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
-        sweep_optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
-        lr = runtime.find_lr(cfg, model, sweep_optimizer, train_batches, amp_dtype, scaler, device)
+        lr = find_lr(cfg, task, model, train_batches, amp_dtype, scaler, device)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches)
-    runtime.on_rank0(runtime.check_free_space, out_dir, runtime.checkpoint_bytes(model, cfg), "a checkpoint")
+    distributed.on_rank0(checkpoints.check_free_space, out_dir,
+                         checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
+    save = functools.partial(save_checkpoint, cfg=cfg, lr=lr, task=task, model=model, optimizer=optimizer,
+                             scheduler=scheduler, scaler=scaler, total_steps=total_steps, is_main=is_main)
 
-    # Resume: every state as it was saved (the RNGs' too), and where the run stood.
-    start_epoch, start_batch, step, best_acc = 0, 0, 0, 0.0
-    start_loss = None  # the run's first batch loss, the yardstick for divergence
-    seconds_before, part = 0.0, 1  # training time of this run's earlier parts, up to their last save
-    if ckpt:
-        runtime.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
-        start_epoch, start_batch, step = ckpt["epoch"], ckpt["batch"], ckpt["step"]
-        best_acc = ckpt.get("best_val_acc", 0.0)
-        start_loss = ckpt.get("start_loss") or math.inf  # older checkpoints: only nan/inf count
-        seconds_before, part = ckpt.get("seconds", 0.0), ckpt.get("part", 1) + 1
-        say(f"resumed from {path} at step {step} "
-            f"({runtime.position(start_epoch, start_batch, cfg.epochs, batches)})")
+    # Resume: every state as it was saved, and where the run stood.
+    run = resume(ckpt, path, cfg, model, optimizer, scheduler, scaler, batches, say) if ckpt else Run()
 
     # The model three ways: `model`, the plain module, is what is saved; `compiled` is what runs
     # (torch.compile'd under --compile, else model itself), in evaluation too; `ddp_model` trains
     # (under torchrun wrapped in DDP, which all-reduces the gradients; else compiled itself).
     compiled = torch.compile(model) if cfg.compile else model
-    ddp_model = compiled
-    if world_size > 1:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            compiled, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp_model = compiled if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
+        compiled, device_ids=[device.index] if device.type == "cuda" else None)
 
     # Outputs: the resolved config and TensorBoard (rank 0), and what this run is, said once.
     if is_main:
-        runtime.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    tensorboard = runtime.TensorBoard(out_dir, step if cfg.resume else None, active=is_main)
-    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, {info.channels}x"
-        f"{info.image_size}x{info.image_size}, {info.num_classes} classes, via {info.loader}")
-    for note in info.notes:
-        say(note)
-    if tensorboard.moved:
-        say(f"TensorBoard logs of the earlier run in {out_dir} moved to {tensorboard.moved}")
-    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
-        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
-        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
+        checkpoints.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
+    tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
+    announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard.moved, say)
 
-    # Checkpoints. `done` is where last.pt would continue from now (after the last optimizer step),
-    # `saved_at` where the last.pt on disk continues from.
-    done = saved_at = (start_epoch, start_batch)
-    saved_step = step if ckpt else None
-    first_loss = None  # the run's first batch loss, on the device until a log point or a save reads it
-    to_continue = shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
-        " (under torchrun, with those flags)" if world_size > 1 else "")
-
-    def diverged(what: str, at_lr: float) -> UserError:
-        return runtime.diverged(what, step, at_lr, lr, out_dir / "last.pt", saved_step)
-
-    def save(epoch: int, batch: int, name: str = "last.pt") -> None:
-        """A checkpoint that continues at (epoch, batch); never one of nan or inf weights."""
-        nonlocal saved_at, saved_step, start_loss
-        if not runtime.all_finite(model.state_dict().values()):
-            raise diverged("the weights hold nan or inf", optimizer.param_groups[0]["lr"])
-        if start_loss is None and first_loss is not None:  # saving reads the device anyway
-            start_loss = first_loss.item()
-        if is_main:
-            runtime.save_checkpoint(runtime.training_state(
-                model, optimizer, scheduler, scaler, epoch=epoch, batch=batch, step=step,
-                total_steps=total_steps, best_val_acc=best_acc, start_loss=start_loss, part=part,
-                seconds=seconds_before + time.perf_counter() - started,
-                config={**cfg.to_dict(), "lr": lr}), out_dir / name)
-        if name == "last.pt":
-            saved_at, saved_step = (epoch, batch), step
-
-    @contextmanager
-    def saved_if_an_image_is_unreadable():
-        """An image the data cannot decode stops the run as Ctrl-C does: save, then say which."""
-        try:
-            yield
-        except UnreadableImage as err:
-            if done != saved_at:
-                save(*done)
-            then = ("nothing was trained yet; replace or delete it and run again" if saved_step is None
-                    else f"{out_dir / 'last.pt'} holds step {saved_step}; replace or delete it, then "
-                    f"continue with `{to_continue}`")
-            raise UnreadableImage(f"{err}; {then}") from None
-
-    # Training: the optimizer steps through each epoch's batches; at its end, evaluate and save.
-    val, epoch_rates, started = None, [], time.perf_counter()
-    with tensorboard, runtime.StopFlag() as stop, saved_if_an_image_is_unreadable():
-        for epoch in range(start_epoch, cfg.epochs):
-            ddp_model.train()
-            bar = tqdm(total=batches, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       disable=not (is_main and sys.stdout.isatty()), leave=False)
-            loss_sum, loss_count = torch.zeros((), device=device), 0  # on the device until a log point
-            epoch_start, images = time.perf_counter(), 0
-            for i, (inputs, targets) in enumerate(train_batches.epoch(epoch, start_batch), start_batch):
-                # Accumulation: batches go in groups of accum_steps (an epoch's last one may be
-                # shorter), each loss divided by its group's size. The optimizer steps after a
-                # group's last batch, and only that backward all-reduces under DDP (no_sync).
-                group_start = i - i % cfg.accum_steps
-                group_size = min(cfg.accum_steps, batches - group_start)
-                last_in_group = i + 1 == group_start + group_size
-                with nullcontext() if last_in_group or world_size == 1 else ddp_model.no_sync():
-                    with runtime.autocast(device, amp_dtype):
-                        logits = ddp_model(inputs)
-                        loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
-                    scaled = loss / group_size
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                loss_sum += loss.detach()
-                loss_count += 1
-                images += len(targets) * world_size
-                if first_loss is None:  # the divergence yardstick, and the inputs as the model sees them
-                    first_loss = loss.detach()
-                    if step == 0:
-                        tensorboard.inputs(inputs, targets, train_batches.denormalize, names, step)
-                if not last_in_group:
-                    continue
+    # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
+    val, epoch_rates = None, []
+    with tensorboard, distributed.StopFlag() as stop, saves_on_unreadable(run, save, out_dir, world_size):
+        for epoch in range(run.epoch, cfg.epochs):
+            run.epoch = epoch  # (evaluate() puts the model back in train mode)
+            bar = tqdm(total=batches, initial=run.batch, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
+                       disable=not (is_main and sys.stdout.isatty()))
+            epoch_start, first_batch = time.perf_counter(), run.batch
+            stream = train_batches.epoch(epoch, run.batch)
+            while run.batch < batches:
+                # Accumulation: accum_steps micro-batches a step (the epoch's last step may get
+                # fewer), each loss divided by their number; only the last backward all-reduces.
+                micro_steps = min(cfg.accum_steps, batches - run.batch)
+                for micro_step in range(micro_steps):
+                    inputs, targets = next(stream)
+                    last = micro_step == micro_steps - 1
+                    with nullcontext() if last or world_size == 1 else ddp_model.no_sync():
+                        with autocast(device, amp_dtype):
+                            loss = criterion(ddp_model(inputs), targets)
+                        scaled = loss / micro_steps if micro_steps > 1 else loss
+                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    run.losses.append(loss.detach())
+                    if run.first_loss is None:  # the divergence yardstick; the inputs as the model sees them
+                        run.first_loss = run.losses[0]
+                        log_inputs(inputs, targets, task, info.names, train_batches.pixels, run, tensorboard)
 
                 # The optimizer step, and the scheduler's with it (both skipped where GradScaler
-                # finds inf gradients). train/lr is a number the host has: logging it costs no sync.
-                step_lr = optimizer.param_groups[0]["lr"]
+                # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
+                run.rates.append((run.step + 1, optimizer.param_groups[0]["lr"]))
                 optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
                 optimizer.zero_grad(set_to_none=True)
-                step += 1
-                done = (epoch, i + 1)
-                tensorboard.scalar("train/lr", step_lr, step)
+                run.step, run.batch = run.step + 1, run.batch + micro_steps
 
                 # Log points (every log_every steps, and the epoch's last) are the only place the
                 # loop reads the device: the mean loss, and the divergence check on it.
-                log_point = step % cfg.log_every == 0 or i + 1 == batches
+                log_point = run.step % cfg.log_every == 0 or run.batch == batches
                 if log_point:
-                    train_loss, first = torch.stack([loss_sum / loss_count, first_loss]).tolist()
-                    start_loss = first if start_loss is None else start_loss
-                    loss_sum.zero_()
-                    loss_count = 0
-                    tensorboard.scalar("train/loss", train_loss, step)
-                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{step_lr:.3g}", refresh=False)
-                    bar.update(i + 1 - bar.n)
-                    why = runtime.divergence(train_loss, start_loss)
-                    if runtime.any_rank(why is not None, device):  # every rank stops at the same step
-                        raise diverged(why or "the loss diverged on another process", step_lr)
+                    why = log_train_loss(run, tensorboard, bar)
+                    if distributed.any_rank(why is not None, device):  # all ranks stop at one step
+                        raise diverged(why or "diverged on another process", optimizer, lr, run, out_dir)
 
                 # Ctrl-C or SIGTERM: save, then stop (StopFlag.now says when, under torchrun too).
                 stopping = stop.now(log_point, device)
-                if stopping or (cfg.save_every and step % cfg.save_every == 0):
-                    save(epoch, i + 1)
+                if stopping or (cfg.save_every and run.step % cfg.save_every == 0):
+                    save(run, "last.pt")
                 if stopping:
-                    say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; continue with "
-                        f"`{to_continue}`")
+                    say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
+                        f"`{continue_command(out_dir, world_size)}`")
                     raise SystemExit(stop.exit_code)
             bar.close()
 
             # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
-            runtime.sync_buffers(model)
+            distributed.sync_buffers(model)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
-            if images:  # a run resumed at an epoch's very end trained nothing here
-                epoch_rates.append(images / max(time.perf_counter() - epoch_start, 1e-9))
-            start_batch, done = 0, (epoch, batches)
-            val = evaluate(compiled, val_batches, device, amp_dtype, info.num_classes)
-            tensorboard.evaluation(val, names, val_batches.denormalize, step)
+            images = (batches - first_batch) * cfg.batch_size  # all processes'; none if resumed at its end
+            epoch_rates += [images / max(time.perf_counter() - epoch_start, 1e-9)] if images else []
+            val = evaluate(compiled, val_batches, task, cfg, info.names, device, amp_dtype)
+            log_evaluation(val, task, info.names, val_batches.pixels, run.step, tensorboard)
             rate = f"  ({epoch_rates[-1]:,.0f} img/s)" if images else ""
-            say(f"epoch {epoch + 1}/{cfg.epochs}  step {step}  val loss {val.loss:.4f}  "
-                f"val acc {val.acc:.2%}{rate}")
-            if not math.isfinite(val.loss):
-                raise diverged(f"val loss {val.loss} after epoch {epoch + 1}",
-                               optimizer.param_groups[0]["lr"])
-            improved, best_acc = val.acc > best_acc, max(best_acc, val.acc)
-            save(epoch + 1, 0)
-            done = (epoch + 1, 0)
+            say(f"epoch {epoch + 1}/{cfg.epochs}  step {run.step}  {task.describe(val)}{rate}")
+            if not math.isfinite(val.metrics["loss"]):
+                raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", optimizer, lr, run,
+                               out_dir)
+            improved = run.improves(val.metrics[task.MAIN_METRIC], task.HIGHER_IS_BETTER)
+            run.epoch, run.batch = epoch + 1, 0
+            save(run, "last.pt")
             if improved:
-                save(epoch + 1, 0, "best.pt")
+                save(run, "best.pt")
 
-    # Summary. Every rank takes part in its ranks_in_sync check; rank 0 then writes the files while
-    # the others wait for it, so that all ranks finish their collectives before they leave.
-    summary = runtime.run_summary(cfg, lr, model, device, val, names, best_acc, step, epoch_rates,
-                                  time.perf_counter() - started, seconds_before, part)
-    runtime.on_rank0(runtime.write_summary, summary, cfg, val, names, tensorboard)
+    # Summary. Every rank takes part in ranks_agree, a collective; rank 0 then writes the files
+    # while the others wait for it, so that all ranks finish their collectives before they leave.
+    summary = logs.run_summary(task, val, run, lr=lr, epochs=cfg.epochs, epoch_rates=epoch_rates,
+                               world_size=world_size, device=device, in_sync=distributed.ranks_agree(model))
+    distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
     return summary
+
+
+def save_checkpoint(run: Run, name: str, *, cfg: Config, lr: float, task, model, optimizer, scheduler,
+                    scaler, total_steps: int, is_main: bool) -> None:
+    """A checkpoint that continues where `run` stands: the states a run continues from bit for bit
+    (every RNG's included), where it stood, and its config. Never one of nan or inf weights."""
+    path = Path(cfg.out_dir) / name
+    if not checkpoints.all_finite(model.state_dict().values()):
+        raise diverged("the weights hold nan or inf", optimizer, lr, run, path.parent)
+    if run.start_loss is None and run.first_loss is not None:  # saving reads the device anyway
+        run.start_loss = run.first_loss.item()
+    if is_main:
+        checkpoints.save_checkpoint({
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": checkpoints.capture_rng_state(),
+            "run": {"epoch": run.epoch, "batch": run.batch, "step": run.step, "best": run.best,
+                    "start_loss": run.start_loss, "part": run.part,
+                    "seconds_before": run.seconds_before + time.perf_counter() - run.started},
+            "config": {**cfg.to_dict(), "lr": lr},
+            "task": task.NAME,
+            "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
+        }, path)
+    if name == "last.pt":
+        run.saved_at, run.saved_step = (run.epoch, run.batch), run.step
+
+
+@contextmanager
+def saves_on_unreadable(run: Run, save, out_dir: Path, world_size: int):
+    """An image the data cannot decode stops the run as Ctrl-C does: save, then say which file."""
+    try:
+        yield
+    except UnreadableImage as err:
+        if (run.epoch, run.batch) != run.saved_at:
+            save(run, "last.pt")
+        then = ("nothing was trained yet; replace or delete it and run again" if run.saved_step is None
+                else f"{out_dir / 'last.pt'} holds step {run.saved_step}; replace or delete it, then "
+                f"continue with `{continue_command(out_dir, world_size)}`")
+        raise UnreadableImage(f"{err}; {then}") from None
+
+
+def resume(ckpt: dict, path: Path, cfg: Config, model, optimizer, scheduler, scaler, batches: int,
+           say) -> Run:
+    """Every state as it was saved (the RNGs' too), and the run as it stood: its next part."""
+    checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
+    saved = ckpt["run"]
+    run = Run(**{**saved, "part": saved["part"] + 1}, saved_at=(saved["epoch"], saved["batch"]),
+              saved_step=saved["step"])
+    say(f"resumed from {path} at step {run.step} "
+        f"({checkpoints.position(run.epoch, run.batch, cfg.epochs, batches)})")
+    return run
+
+
+def continue_command(out_dir: Path, world_size: int) -> str:
+    """The command that continues this run from its last.pt."""
+    return shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
+        " (under torchrun, with those flags)" if world_size > 1 else "")
+
+
+def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype, lr: float, total_steps: int,
+             moved: Path | None, say) -> None:
+    """What this run is, said once at start-up."""
+    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
+        f"{'x'.join(map(str, info.input_shape))}, {info.num_outputs} outputs, via {info.loader}")
+    notes = [*info.notes, task.pictures_note(info.images),
+             moved and f"TensorBoard logs of the earlier run in {cfg.out_dir} moved to {moved}"]
+    for note in filter(None, notes):
+        say(note)
+    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
+        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
+        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
+
+
+def log_train_loss(run: Run, tensorboard: logs.TensorBoard, bar) -> str | None:
+    """A log point: the mean loss since the last one, read from the device once with the run's first
+    loss; the rates and the loss to TensorBoard. Returns why the run diverged, or None."""
+    train_loss, first = torch.stack([torch.stack(run.losses).mean(), run.first_loss]).tolist()
+    run.start_loss = first if run.start_loss is None else run.start_loss
+    tensorboard.scalars({"train/lr": run.rates, "train/loss": [(run.step, train_loss)]})
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{run.rates[-1][1]:.3g}", refresh=False)
+    bar.update(run.batch - bar.n)
+    run.losses, run.rates = [], []
+    return divergence(train_loss, run.start_loss)
+
+
+def log_inputs(inputs, targets, task, names: list[str], pixels, run: Run,
+               tensorboard: logs.TensorBoard) -> None:
+    """A fresh run's first batch as the model receives it, once, to check the data pipeline by eye."""
+    if run.step == 0:
+        tensorboard.images({"inputs": task.input_picture(inputs, targets, names, pixels)}, 0)
+
+
+def log_evaluation(val, task, names: list[str], pixels, step: int, tensorboard: logs.TensorBoard) -> None:
+    """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
+    tensorboard.scalars({f"val/{name}": [(step, val.metrics[name])] for name in task.METRICS})
+    pictures = task.pictures(val, names, pixels)
+    tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
@@ -237,14 +292,13 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
                        final_div_factor=cfg.final_div_factor)
     elif cfg.schedule == "step":
         every = cfg.step_size or max(cfg.epochs / 3, 1)
-        options = dict(step_size=max(epochs_to_steps(every, batches, cfg.accum_steps), 1),
-                       gamma=cfg.gamma)
+        options = dict(step_size=max(epochs_to_steps(every, batches, cfg.accum_steps), 1), gamma=cfg.gamma)
     elif cfg.schedule == "cosine":
         options = dict(min_lr_ratio=cfg.min_lr_ratio)
     warmup = epochs_to_steps(cfg.warmup_epochs, batches, cfg.accum_steps)
     if warmup >= total:
-        raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of "
-                        f"{cfg.epochs} epochs; lower it")
+        raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
+                        "lower it")
     if cfg.schedule != "onecycle":
         options["warmup_steps"] = warmup
     try:
@@ -255,37 +309,153 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, amp_dtype, num_classes: int) -> runtime.Evaluation:
-    """One pass over the validation split: loss, confusion matrix and the most confidently wrong
-    images, kept on the device and read once at the end."""
+def evaluate(model, batches, task, cfg: Config, names: list[str], device, amp_dtype):
+    """One pass over the validation split through the task's tally, kept on the device and read
+    once at the end (summed over processes under torchrun)."""
     model.eval()
-    tally = runtime.Tally(num_classes, device)
+    tally = task.Tally(cfg, names, device)
     for inputs, targets in batches.epoch(0):
-        with runtime.autocast(device, amp_dtype):
-            logits = model(inputs)
-        tally.add(logits, targets, inputs)
+        with autocast(device, amp_dtype):
+            outputs = model(inputs)
+        tally.add(outputs, targets, inputs)
     model.train()
-    return tally.result()
+    return tally.result(distributed.all_reduce_sum)
 
 
-def evaluate_checkpoint(cfg: Config, given: dict | None = None) -> dict:
+# ---------------------------------------------------------------- the learning rate: auto and find
+
+
+def resolve_lr(cfg: Config, task, say=print) -> float | None:
+    """--lr auto takes the suggestion lr_find.py saved in out_dir for this schedule (onecycle's peak,
+    the others' starting rate), if it was measured on this setup and task. None for --lr find, which
+    sweeps once the model is built."""
+    if cfg.lr == "find":
+        return None
+    if cfg.lr != "auto":
+        return float(cfg.lr)
+    path = Path(cfg.out_dir) / "lr_find.json"
+    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
+    others = "or use --lr find, or pass a number such as --lr 0.1"
+    if not path.is_file():
+        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
+    try:
+        record = json.loads(path.read_text())
+        measured_on = dict(record["config"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
+                        f"{others}") from None
+    read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in OPTIMIZERS
+            for s in OPTIMIZERS[name].settings}
+    unread = tuple(s for entry in OPTIMIZERS.values() for s in entry.settings if s not in read)
+    differences = lr_setup_differences(measured_on, cfg, unread)
+    swept, here = measured_on.get("task"), lr_find.task_identity(task)
+    if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
+        differences.append(f"task: {_task_name(swept)} -> {_task_name(here)}")
+    suggestion, rule = record.get("suggestion"), record.get("method")
+    per_schedule = record.get("suggestions")
+    if isinstance(per_schedule, dict):  # one per schedule family: take the one serving this schedule
+        serving = [s for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
+        suggestion, rule = (serving[0].get("lr"), serving[0].get("method")) if serving else (None, None)
+        if not serving:
+            differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
+    if differences:
+        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
+                        f"not carry over; measure this one's with `{refind}`, {others}")
+    if not (isinstance(suggestion, int | float) and 0 < suggestion < math.inf):
+        raise UserError(f"{path} holds no usable suggestion ({suggestion!r}); run `{refind}` "
+                        f"with a wider --find-start-lr/--find-end-lr, {others}")
+    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
+    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} "
+        f"({what}, rule {rule})")
+    return float(suggestion)
+
+
+def _task_name(identity) -> str:
+    if not isinstance(identity, dict):
+        return "none recorded"
+    return f"{identity.get('name')!r} (task.py {str(identity.get('source'))[:8]})"
+
+
+def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.device) -> float:
+    """--lr find: lr_find.py's sweep on this very model and data, its files written, its suggestion.
+
+    Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
+    world_size of its batches per step, so each step sees the global batch as DDP will. All ranks
+    sweeping together would need the stop rule agreed at every step; one rank keeps lr_find as it is.
+    """
+    found = problem = None
+    world_size = distributed.world_size()
+    if world_size == 1 or torch.distributed.get_rank() == 0:
+        try:
+            optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
+            result, wrote, why = lr_find.sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler,
+                                                     device, batches_per_step=world_size)
+            found = result.suggestion
+            if found is None:
+                problem = (f"the range test suggested no learning rate ({why}); look at {wrote[-1]}, "
+                           "widen --find-start-lr/--find-end-lr or raise --find-iters, or pass --lr N")
+            else:
+                alone = f"; rank 0 alone, {world_size}x its batches per step" if world_size > 1 else ""
+                print(f"lr find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
+                      f"{result.stop_reason}{alone}; suggested lr {found:.4g} ({result.method}); wrote "
+                      f"{', '.join(str(path) for path in wrote)}")
+        except ValueError as err:  # lr_find's checks of its arguments; UserError included
+            problem = f"--lr find: {err}"
+    found, problem = distributed.from_rank0((found, problem))
+    if problem:
+        raise UserError(problem)
+    return found
+
+
+# ---------------------------------------------------------------- stop rules
+
+# A logged training loss above this multiple of the run's first batch loss is not coming back
+# (lr_find.py stops its sweep at the same factor over its best loss).
+DIVERGENCE_FACTOR = 4.0
+
+
+def divergence(train_loss: float, start_loss: float) -> str | None:
+    """What says this logged training loss diverged, or None."""
+    if not math.isfinite(train_loss):
+        return f"train loss {train_loss}"
+    if start_loss > 0 and train_loss > DIVERGENCE_FACTOR * start_loss:
+        return f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start_loss:.4g}"
+    return None
+
+
+def diverged(what: str, optimizer, lr: float, run: Run, out_dir: Path) -> UserError:
+    """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds."""
+    at_lr = optimizer.param_groups[0]["lr"]
+    kept = ("this run wrote no checkpoint" if run.saved_step is None
+            else f"{out_dir / 'last.pt'} still holds step {run.saved_step}")
+    return UserError(f"training diverged at step {run.step} ({what}; lr {at_lr:.3g}): try a lower --lr than "
+                     f"{lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
+                     f"to find one; {kept}")
+
+
+# ---------------------------------------------------------------- --evaluate and the command line
+
+
+def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     """--evaluate PATH: the validation split once through a saved model; trains nothing. Writes
-    eval.json and eval_confusion.png next to the checkpoint (or into an --out-dir given here).
+    eval.json and the task's pictures next to the checkpoint (or into an --out-dir given here).
     `given`: the settings the command line gave (None: all of cfg's)."""
     given = cfg.to_dict() if given is None else given
     path = Path(cfg.evaluate)
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
-    ckpt = runtime.load_checkpoint(path)
+    ckpt = checkpoints.load_checkpoint(path)
     cfg = evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
-    rank, world_size, device = runtime.setup_distributed(cfg.device)
+    rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
-    model = build_model(cfg, info.channels, info.num_classes, device)
-    load_weights(model, weights_of(ckpt), info.num_classes, f"--evaluate {path}", new_head=False)
-    val = evaluate(model, val_batches, device, runtime.amp_dtype(device, cfg.amp), info.num_classes)
+    model = build_model(cfg, info.channels, info.num_outputs, device)
+    load_weights(model, weights_of(ckpt), info.num_outputs, f"--evaluate {path}", new_head=False)
+    val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    return runtime.report_evaluation(val, info.class_names, info.val_size, path, ckpt.get("step"),
-                                     cfg.dataset, out_dir, rank == 0)
+    pictures = task.pictures(val, info.names, None)
+    return logs.report_evaluation(task, val, pictures, val_size=info.val_size, checkpoint=path,
+                                  step=ckpt.get("step"), dataset=cfg.dataset, out_dir=out_dir,
+                                  is_main=rank == 0)
 
 
 def main() -> None:
@@ -296,15 +466,15 @@ def main() -> None:
             evaluate_checkpoint(cfg, given)
             return
         if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
-            validate(cfg)
+            configs.validate(cfg)
         train(cfg, given)
     except UserError as err:
         # Under torchrun, one line from one process; a file only one rank read, from that rank.
         if os.environ.get("RANK", "0") == "0" or isinstance(err, UnreadableImage):
-            exit_with_error(str(err))
+            configs.exit_with_error(str(err))
         raise SystemExit(2) from None
     finally:
-        runtime.cleanup_distributed()
+        distributed.cleanup()
 
 
 if __name__ == "__main__":

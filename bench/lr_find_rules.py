@@ -33,14 +33,14 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-import runtime
+import distributed
+import task
 from bench.speed import sync
-from configs import OPTIMIZERS, Config, UserError, exit_with_error, parse_config
+from configs import Config, UserError, exit_with_error, parse_config
 from data import build_loaders
 from lr_find import DEFAULT_RULES, RULES, SuggestionCurve, lr_find, suggestion_curve
-from models import build_model, build_optimizer
+from models import OPTIMIZERS, build_model, build_optimizer
 
 # 32768 val images, not the usual quarter of the training set (2048): with 2048, about 60% of the
 # variance of a paired difference between two rates was val sampling (sd 0.51 vs 0.31 pp, 16 seeds).
@@ -117,10 +117,10 @@ def setup(cfg: Config, device: torch.device):
     """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
     batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_classes, device)
+    model = build_model(cfg, info.channels, info.num_outputs, device)
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))
-    return model, optimizer, functools.partial(F.cross_entropy, label_smoothing=cfg.label_smoothing), stream
+    return model, optimizer, functools.partial(task.loss, cfg=cfg), stream
 
 
 def ours(cfg: Config, device: torch.device) -> tuple[dict, float]:
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         exit_with_error(MISSING_TLF)
     try:
-        device = runtime.pick_device(args.device)
+        device = distributed.pick_device(args.device)
     except UserError as err:
         exit_with_error(str(err))
     if device.type == "cpu":

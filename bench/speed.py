@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -33,11 +34,12 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-import runtime
+import distributed
+import models
+import task
 from configs import Config, UserError, exit_with_error, parse_config
-from data import Batches, build_loaders
+from data import Batches, ImageSteps, build_loaders
 from models import build_model, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -102,19 +104,19 @@ def setup(cfg: Config, device: torch.device, lr: float | None = None):
     """Loaders, model, optimizer and AMP built exactly as train.py builds them."""
     torch.manual_seed(cfg.seed)
     train_batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_classes, device)
+    model = build_model(cfg, info.channels, info.num_outputs, device)
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
-    amp_dtype, scaler = runtime.amp_setup(device, cfg.amp)
+    amp_dtype, scaler = models.amp_setup(device, cfg.amp)
     model.train()
     return train_batches, model, optimizer, amp_dtype, scaler
 
 
-def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, label_smoothing: float) -> int:
-    """Forward, backward, optimizer step and nothing else; returns the number of images."""
+def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, cfg: Config) -> int:
+    """Forward, the task's loss, backward, optimizer step and nothing else; returns the number of images."""
     images = 0
     for inputs, targets in batches:
-        with runtime.autocast(device, amp_dtype):
-            loss = F.cross_entropy(model(inputs), targets, label_smoothing=label_smoothing)
+        with models.autocast(device, amp_dtype):
+            loss = task.loss(model(inputs), targets, cfg)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -133,8 +135,7 @@ def bare_rate(cfg: Config, device: torch.device) -> float:
     rates = []
     for epoch in range(cfg.epochs):
         start = time.perf_counter()
-        images = bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(epoch),
-                            cfg.label_smoothing)
+        images = bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(epoch), cfg)
         sync(device)
         rates.append(images / (time.perf_counter() - start))
     steady = rates[1:] or rates
@@ -165,13 +166,10 @@ def lr_find_seconds(cfg: Config, device: torch.device, num_iter: int) -> tuple[f
 
     train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
 
-    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing)
-
     sync(device)
     start = time.perf_counter()
-    result = lr_find(model, optimizer, loss_fn, train_batches, start_lr=1e-4, end_lr=0.1,
-                     num_iter=num_iter, smooth=0.98, diverge=1e9, autocast_dtype=amp_dtype,
+    result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg), train_batches, start_lr=1e-4,
+                     end_lr=0.1, num_iter=num_iter, smooth=0.98, diverge=1e9, autocast_dtype=amp_dtype,
                      scaler=scaler, device=device)
     sync(device)
     return time.perf_counter() - start, len(result.lrs)
@@ -242,8 +240,8 @@ def measure_loader(device: torch.device, count: int, batch_size: int, repeats: i
     images = torch.randint(0, 256, (count, 3, 32, 32), generator=g, dtype=torch.uint8)
     labels = torch.randint(0, 10, (count,), generator=g)
     mean, std = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
-    resident = Batches(images.to(device), labels.to(device), batch_size=batch_size, train=True,
-                       mean=mean, std=std, pad=4, flip=True, seed=0, device=device)
+    resident = Batches(images.to(device), labels.to(device), batch_size=batch_size, train=True, seed=0,
+                       device=device, image=ImageSteps(mean, std, pad=4, flip=True))
     transform = transforms.Compose([
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
         transforms.ConvertImageDtype(torch.float32), transforms.Normalize(mean.tolist(), std.tolist())])
@@ -271,10 +269,10 @@ def measure_cifar_model(device_name: str, device: torch.device, batch_size: int,
     if compile:
         model = torch.compile(model)
     batches = list(train_batches.epoch(0))
-    bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], cfg.label_smoothing)
+    bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], cfg)
     sync(device)
     start = time.perf_counter()
-    images = bare_steps(model, optimizer, amp_dtype, scaler, device, batches[warmup:], cfg.label_smoothing)
+    images = bare_steps(model, optimizer, amp_dtype, scaler, device, batches[warmup:], cfg)
     sync(device)
     return images / (time.perf_counter() - start)
 
@@ -327,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        device = runtime.pick_device(args.device)
+        device = distributed.pick_device(args.device)
     except UserError as err:
         exit_with_error(str(err))
     if device.type == "cuda":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import shlex
 import sys
 from dataclasses import dataclass, field, fields
@@ -20,8 +19,10 @@ from pathlib import Path
 import tomllib
 
 SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")  # = schedules.SCHEDULES (a test checks)
-DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
-OPTIMIZERS = ("sgd", "adamw")
+# Names defined by the modules that build them, each in one dict: data.py puts its DATASETS here
+# under "dataset", models.py its OPTIMIZERS under "optimizer", when imported. The fields that name
+# one (registry=...) take their choices from these dicts, so --help and the checks list them.
+REGISTRIES: dict[str, dict] = {}
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
 FIND_METHODS = ("auto", "minimum", "min/3", "min/10")  # lr_find.METHODS + auto
@@ -39,115 +40,133 @@ LIMITS = {
 }
 
 
-def setting(default, help: str, *, choices: tuple[str, ...] | None = None, limits: str | None = None,
-            may_change: bool = False, moves_lr: bool = False):
-    """One Config field with everything about it: default, help, allowed values or range, and two
-    rules. may_change: it only changes how a run is run or watched, so a resume may change it.
-    moves_lr: the best learning rate depends on it, so --lr auto checks it against lr_find.json."""
+def setting(default, help: str, *, choices: tuple[str, ...] | None = None, registry: str | None = None,
+            limits: str | None = None, may_change: bool = False, keeps_lr: bool = False):
+    """One Config field with everything about it: default, help, allowed values (choices, or the
+    names in REGISTRIES[registry]) or range, and two rules. may_change: it only changes how a run
+    is run or watched, so a resume may change it. keeps_lr: it cannot move the best learning rate
+    (a path, logging, the schedule's shape), so --lr auto does not compare it with lr_find.json's;
+    every other setting is compared, a new one too unless it says keeps_lr=True."""
     assert limits is None or limits in LIMITS, limits
-    return field(default=default, metadata=dict(help=help, choices=choices, limits=limits,
-                                                may_change=may_change, moves_lr=moves_lr))
+    return field(default=default, metadata=dict(help=help, choices=choices, registry=registry, limits=limits,
+                                                may_change=may_change, keeps_lr=keeps_lr))
+
+
+def choices_of(f) -> tuple[str, ...] | None:
+    """A field's allowed values: its own choices, or the names of its registry."""
+    if f.metadata["registry"] is None:
+        return f.metadata["choices"]
+    if f.metadata["registry"] not in REGISTRIES:
+        raise RuntimeError(f"configs.REGISTRIES has no {f.metadata['registry']!r}: import data and models "
+                           "before parsing a config")
+    return tuple(REGISTRIES[f.metadata["registry"]])
 
 
 @dataclass
 class Config:
     # data
     dataset: str = setting("digits", "digits works offline; mnist, fashion_mnist, cifar10 and cifar100 are "
-                           "downloaded into --data-dir; imagefolder reads --data-dir/{train,val}/<class>/",
-                           choices=DATASETS, moves_lr=True)
-    data_dir: str = setting("data", "where datasets are downloaded, or imagefolder's root", may_change=True)
-    image_size: int = setting(0, "image side in pixels for synthetic and imagefolder; 0: the dataset's "
-                              "own (synthetic 16, imagefolder 32)", limits=">= 0", moves_lr=True)
+                           "downloaded into --data-dir; imagefolder reads --data-dir/{train,val}/<class>/; "
+                           "csv reads --data-dir/train.csv (and val.csv) rows of file,label",
+                           registry="dataset")
+    data_dir: str = setting("data", "where datasets are downloaded, or imagefolder's and csv's folder",
+                            may_change=True, keeps_lr=True)
+    image_size: int = setting(0, "image side in pixels for synthetic, imagefolder and csv; 0: the dataset's "
+                              "own (synthetic 16, files 32)", limits=">= 0")
     num_classes: int = setting(10, "synthetic only; the other datasets know their classes", limits="> 0")
-    channels: int = setting(3, "synthetic: channels generated; imagefolder: 1 loads grayscale, 3 RGB; "
-                            "the other datasets have their own", limits="> 0")
+    channels: int = setting(3, "synthetic: channels generated; imagefolder and csv: 1 loads grayscale, 3 "
+                            "RGB; the other datasets have their own", limits="> 0")
     synthetic_size: int = setting(2048, "synthetic: training images (validation gets a quarter)",
                                   limits="> 0")
     synthetic_val_size: int = setting(0, "synthetic: validation images; 0: a quarter of --synthetic-size",
-                                      limits=">= 0", may_change=True)
-    loader: str = setting("auto", "device: uint8 tensors on the device, augmented in batches; dataloader: "
-                          "worker processes; auto: device when the data fits (imagefolder: dataloader)",
-                          choices=LOADERS, may_change=True)
+                                      limits=">= 0", may_change=True, keeps_lr=True)
+    val_fraction: float = setting(0.2, "csv without a val.csv: the share of train.csv's rows held out (a "
+                                  "fixed split)", limits="in (0, 1)")
+    loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
+                          "worker processes; auto: device when the data fits (files: dataloader)",
+                          choices=LOADERS, may_change=True, keeps_lr=True)
     num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
-                               limits=">= 0", may_change=True)
-    augment: bool = setting(True, "random crop (and flip, below) on training batches; off turns both off")
-    flip: bool = setting(True, "left-right flips, only where they keep the label: cifar10, cifar100, "
-                         "imagefolder")
+                               limits=">= 0", may_change=True, keeps_lr=True)
+    augment: bool = setting(True, "images: random crop (and flip, below) on training batches; off turns "
+                            "both off")
+    flip: bool = setting(True, "images: left-right flips, only where they keep the label: cifar10, "
+                         "cifar100, imagefolder, csv")
     # model and optimizer
-    model: str = setting("resnet_small", "resnet_small, resnet9, or any torchvision classification "
-                         "model name", moves_lr=True)
+    model: str = setting("resnet_small", "a name in models.MODELS (resnet_small, resnet9, ...), or any "
+                         "torchvision classification model name")
     pretrained: bool = setting(False, "torchvision models: start from torchvision's default ImageNet weights "
-                               "(their normalization and input size too)", moves_lr=True)
+                               "(their normalization and input size too)")
     init_from: str = setting("", "a new run starts from the weights in this best.pt/last.pt or state_dict "
                              "file (a head of another class count is re-initialised); \"\": off",
-                             may_change=True, moves_lr=True)
-    width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0",
-                         moves_lr=True)
+                             may_change=True)
+    width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0")
     dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the classifier; 0: none",
                              limits="in [0, 1)")
-    optimizer: str = setting("sgd", "sgd (with --momentum, --nesterov) or adamw", choices=OPTIMIZERS,
-                             moves_lr=True)
+    optimizer: str = setting("sgd", "a name in models.OPTIMIZERS: sgd (with --momentum, --nesterov), adamw",
+                             registry="optimizer")
     lr: float | str = setting(0.2, "a number (onecycle: the peak); auto: the suggestion lr_find.py saved "
                               "in --out-dir, refused if measured on another setup; find: run the range "
-                              "test first, in this process, then train with its suggestion")
-    momentum: float = setting(0.9, "sgd only; 0: plain sgd", limits=">= 0", moves_lr=True)
-    nesterov: bool = setting(True, "sgd only, when --momentum > 0", moves_lr=True)
+                              "test first, in this process, then train with its suggestion", keeps_lr=True)
+    momentum: float = setting(0.9, "sgd only; 0: plain sgd", limits=">= 0")
+    nesterov: bool = setting(True, "sgd only, when --momentum > 0")
     weight_decay: float = setting(5e-4, "on weights only: biases and normalization weights get none",
-                                  limits=">= 0", moves_lr=True)
-    label_smoothing: float = setting(0.0, "0: plain cross-entropy", limits="in [0, 1]")
+                                  limits=">= 0")
+    label_smoothing: float = setting(0.0, "0: plain cross-entropy (classification)", limits="in [0, 1]")
     clip_grad: float = setting(0.0, "max gradient norm; 0 turns clipping off", limits=">= 0")
-    # schedule (counts in epochs here, converted to optimizer steps by schedules.py)
+    # schedule (counts in epochs here, converted to optimizer steps by schedules.py); lr_find's sweep
+    # does not depend on any of them, so --lr auto compares none
     schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step",
-                            choices=SCHEDULES)
-    epochs: int = setting(10, "passes over the training set", limits="> 0")
-    batch_size: int = setting(128, "global: split across processes under torchrun", limits="> 0",
-                              moves_lr=True)
-    accum_steps: int = setting(1, "batches per optimizer step (gradient accumulation)", limits="> 0",
-                               moves_lr=True)
+                            choices=SCHEDULES, keeps_lr=True)
+    epochs: int = setting(10, "passes over the training set", limits="> 0", keeps_lr=True)
+    batch_size: int = setting(128, "global: split across processes under torchrun", limits="> 0")
+    accum_steps: int = setting(1, "batches per optimizer step (gradient accumulation)", limits="> 0")
     warmup_epochs: float = setting(0.0, "linear warmup before constant, step and cosine, and the length "
                                    "of the warmup schedule (required there); 0: none; onecycle warms up "
-                                   "by --pct-start", limits=">= 0")
+                                   "by --pct-start", limits=">= 0", keeps_lr=True)
     step_size: float = setting(0.0, "step schedule: epochs between decays; 0: a third of the run",
-                               limits=">= 0")
-    gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0")
+                               limits=">= 0", keeps_lr=True)
+    gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0", keeps_lr=True)
     min_lr_ratio: float = setting(0.0, "cosine: the final lr as a fraction of --lr; 0: decays to 0",
-                                  limits="in [0, 1]")
+                                  limits="in [0, 1]", keeps_lr=True)
     pct_start: float = setting(0.25, "onecycle: the share of the run spent rising to --lr",
-                               limits="in (0, 1)")
-    div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0")
+                               limits="in (0, 1)", keeps_lr=True)
+    div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0", keeps_lr=True)
     final_div_factor: float = setting(1e4, "onecycle: ends at lr / div_factor / final_div_factor",
-                                      limits="> 0")
+                                      limits="> 0", keeps_lr=True)
     # lr_find.py (and --lr find)
-    find_start_lr: float = setting(1e-5, "range test: the first lr", limits="> 0", may_change=True)
+    find_start_lr: float = setting(1e-5, "range test: the first lr", limits="> 0", may_change=True,
+                                   keeps_lr=True)
     find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
-                                 limits="> 0", may_change=True)
+                                 limits="> 0", may_change=True, keeps_lr=True)
     find_iters: int = setting(50, "range test: optimizer steps (a suggestion needs 10 or more)",
-                              limits=">= 10", may_change=True)
+                              limits=">= 10", may_change=True, keeps_lr=True)
     find_method: str = setting("auto", "range test: how the suggestion is read off the curve; auto: "
                                "the rule lr_find.DEFAULT_RULES gives --schedule and the optimizer",
-                               choices=FIND_METHODS, may_change=True)
+                               choices=FIND_METHODS, may_change=True, keeps_lr=True)
     # runtime
-    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps", may_change=True)
+    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps", may_change=True,
+                          keeps_lr=True)
     amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
-                       "GradScaler, off on CPU and MPS", choices=AMP_MODES, moves_lr=True)
-    channels_last: bool = setting(False, "channels_last memory format (faster convolutions on GPUs)")
-    compile: bool = setting(False, "torch.compile the model", may_change=True)
-    seed: int = setting(0, "for weights, data order and augmentation", limits=">= 0")
+                       "GradScaler, off on CPU and MPS", choices=AMP_MODES)
+    channels_last: bool = setting(False, "images: channels_last memory format (faster convolutions on GPUs)",
+                                  keeps_lr=True)
+    compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
+    seed: int = setting(0, "for weights, data order and augmentation", limits=">= 0", keeps_lr=True)
     out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json",
-                           may_change=True)
+                           may_change=True, keeps_lr=True)
     log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
-                             "is logged every step)", limits="> 0", may_change=True)
+                             "is logged every step)", limits="> 0", may_change=True, keeps_lr=True)
     save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
-                              limits=">= 0", may_change=True)
+                              limits=">= 0", may_change=True, keeps_lr=True)
     resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH,"
                           " with the checkpoint's settings; flags given too override them where a "
                           "resume may change them (--out-dir, --log-every, ...) and are refused elsewhere",
-                          may_change=True)
+                          may_change=True, keeps_lr=True)
     allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
                                       "schedules only: the others are shaped by the run's length)",
-                                      may_change=True)
+                                      may_change=True, keeps_lr=True)
     evaluate: str = setting("", "a checkpoint: run the validation split once through it, print and write "
-                            "eval.json next to it, train nothing; \"\": off", may_change=True)
+                            "eval.json next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,7 +226,7 @@ def _convert(name: str, raw):
 def validate(cfg: Config) -> Config:
     """Check each field against its declared choices or range, then the rules between fields."""
     for f in fields(Config):
-        value, choices, limits = getattr(cfg, f.name), f.metadata["choices"], f.metadata["limits"]
+        value, choices, limits = getattr(cfg, f.name), choices_of(f), f.metadata["limits"]
         if choices and value not in choices:
             raise UserError(
                 f"unknown {f.name} {value!r}{_suggest(value, choices)} (choose from {', '.join(choices)})"
@@ -273,7 +292,7 @@ class _Switch(argparse.Action):
 
 
 def _help(f) -> str:
-    rule = ", ".join(f.metadata["choices"] or ()) or f.metadata["limits"]
+    rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
     text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
     return text.replace("%", "%%")
 
@@ -366,55 +385,13 @@ def check_resumable(saved: dict, cfg: Config) -> None:
                         "without those flags, or start a new run with a new --out-dir")
 
 
-def lr_setup_differences(measured: dict, cfg: Config) -> list[str]:
-    """The settings that move the best learning rate and differ between a sweep's config and cfg.
-
-    Momentum and nesterov count only when both use sgd (adamw ignores them).
-    """
+def lr_setup_differences(measured: dict, cfg: Config, unread: tuple[str, ...] = ()) -> list[str]:
+    """The settings that can move the best learning rate (all but keeps_lr ones) and differ between a
+    sweep's config and cfg. `unread`: settings that neither optimizer reads (momentum for two adamw)."""
     measured = {**Config().to_dict(), **measured}
-    sgd = measured["optimizer"] == cfg.optimizer == "sgd"
     return [f"{f.name}: {measured[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-            if f.metadata["moves_lr"] and measured[f.name] != getattr(cfg, f.name)
-            and (sgd or f.name not in ("momentum", "nesterov"))]
-
-
-def resolve_lr(cfg: Config, say=print) -> float | None:
-    """--lr auto takes the suggestion lr_find.py saved in out_dir for this schedule (onecycle's peak,
-    the others' starting rate), if it was measured on this setup. None for --lr find, which sweeps
-    once the model is built."""
-    if cfg.lr == "find":
-        return None
-    if cfg.lr != "auto":
-        return float(cfg.lr)
-    path = Path(cfg.out_dir) / "lr_find.json"
-    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
-    others = "or use --lr find, or pass a number such as --lr 0.1"
-    if not path.is_file():
-        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
-    try:
-        record = json.loads(path.read_text())
-        measured_on = dict(record["config"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
-                        f"{others}") from None
-    differences = lr_setup_differences(measured_on, cfg)
-    suggestion, rule = record.get("suggestion"), record.get("method")
-    per_schedule = record.get("suggestions")
-    if isinstance(per_schedule, dict):  # one per schedule family: take the one serving this schedule
-        serving = [s for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
-        suggestion, rule = (serving[0].get("lr"), serving[0].get("method")) if serving else (None, None)
-        if not serving:
-            differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
-    if differences:
-        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
-                        f"not carry over; measure this one's with `{refind}`, {others}")
-    if not suggestion:
-        raise UserError(f"{path} holds no usable suggestion (the sweep found none); run `{refind}` "
-                        f"with a wider --find-start-lr/--find-end-lr, {others}")
-    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
-    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} "
-        f"({what}, rule {rule})")
-    return float(suggestion)
+            if not f.metadata["keeps_lr"] and f.name not in unread
+            and measured[f.name] != getattr(cfg, f.name)]
 
 
 def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> str:

@@ -8,6 +8,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import data  # noqa: E402, F401  (fills configs.REGISTRIES, which parse_config reads)
+import models  # noqa: E402, F401
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
+import checkpoints
 import train
 from configs import parse_config
 from data import build_loaders
@@ -51,7 +51,7 @@ def trained(monkeypatch):
         cfg = parse_config([*RUN, "--out-dir", str(out_dir), *argv])
         seen.update(initial=None, optimizer_steps=0)
         summary = train.train(cfg)
-        return cfg, summary, runtime.load_checkpoint(out_dir / "last.pt"), dict(seen)
+        return cfg, summary, checkpoints.load_checkpoint(out_dir / "last.pt"), dict(seen)
 
     return run
 
@@ -68,7 +68,7 @@ def test_train_windows_of_micro_batches_equal_one_batch_each(tmp_path, trained):
                                        "--accum-steps", "3")
     batches, _, info = build_loaders(cfg, CPU)
     assert len(batches) == 7
-    model = bn_free_net(info.channels, info.num_classes)
+    model = bn_free_net(info.channels, info.num_outputs)
     model.load_state_dict(seen["initial"])
     optimizer = build_optimizer(model, cfg, float(cfg.lr))
     scheduler, _ = train.make_scheduler(cfg, optimizer, len(batches))

@@ -5,7 +5,7 @@ import pytest
 import configs
 from configs import Config, UserError, parse_config
 
-CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(Config) if f.metadata["choices"]}
+CHOICES = {f.name: configs.choices_of(f) for f in dataclasses.fields(Config) if configs.choices_of(f)}
 
 
 def test_defaults_are_the_offline_quick_start():
@@ -128,23 +128,38 @@ def test_every_field_has_help_and_numbers_a_range():
 
 def test_choice_lists_agree_with_the_files_that_must_stay_standalone():
     """schedules.py and lr_find.py are copied alone into other projects, so they keep their own
-    lists; configs must offer exactly what they accept ("auto" lets lr_find pick by schedule)."""
+    lists; configs must offer exactly what they accept ("auto" lets lr_find pick by schedule). The
+    registries are data.py's and models.py's own dicts, read where they are defined."""
+    import torch
+
     import data
     import lr_find
-    import runtime
+    import models
     import schedules
 
     assert configs.SCHEDULES == schedules.SCHEDULES
     assert set(lr_find.SCHEDULES) == set(configs.SCHEDULES)  # what each schedule takes from a sweep
     assert set(configs.FIND_METHODS) - {"auto"} == set(lr_find.METHODS)
-    assert set(data.TORCHVISION_SETS) | {"digits", "imagefolder", "synthetic"} == set(configs.DATASETS)
-    import torch
-
+    assert configs.REGISTRIES["dataset"] is data.DATASETS
+    assert configs.REGISTRIES["optimizer"] is models.OPTIMIZERS
     for mode in configs.AMP_MODES:
-        runtime.amp_dtype(torch.device("cpu"), mode)
-    assert CHOICES == {"dataset": configs.DATASETS, "loader": configs.LOADERS,
-                       "optimizer": configs.OPTIMIZERS, "schedule": configs.SCHEDULES,
+        models.amp_dtype(torch.device("cpu"), mode)
+    assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": configs.LOADERS,
+                       "optimizer": tuple(models.OPTIMIZERS), "schedule": configs.SCHEDULES,
                        "find_method": configs.FIND_METHODS, "amp": configs.AMP_MODES}
+
+
+def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):
+    """A dataset or optimizer added to its dict is accepted, listed in --help, and nowhere else to add."""
+    import data
+    import models
+
+    monkeypatch.setitem(data.DATASETS, "mine", data.digits)
+    monkeypatch.setitem(models.OPTIMIZERS, "sgd2", models.OPTIMIZERS["sgd"])
+    cfg = parse_config(["--dataset", "mine", "--optimizer", "sgd2"])
+    assert (cfg.dataset, cfg.optimizer) == ("mine", "sgd2")
+    with pytest.raises(UserError, match="choose from .*mine"):
+        parse_config(["--dataset", "mien"])
 
 
 def test_help_says_what_0_and_auto_mean(capsys):
@@ -158,7 +173,7 @@ def test_help_says_what_0_and_auto_mean(capsys):
         assert "".join(text.split()) in shown, field.name
         if field.default == 0 and not isinstance(field.default, bool) and field.name != "seed":
             assert "0:" in text or "0 turns" in text, field.name
-        if field.default == "auto" or "auto" in (field.metadata["choices"] or ()):
+        if field.default == "auto" or "auto" in (configs.choices_of(field) or ()):
             assert "auto:" in text, field.name
     lr_help = dict((f.name, f.metadata["help"]) for f in dataclasses.fields(Config))["lr"]
     assert "auto:" in lr_help and "find:" in lr_help

@@ -22,7 +22,7 @@ from test_gpu_contract import (
 )
 from test_sync import fused_step_reads_per_step, sweep_reads_per_step, train_reads_per_step
 
-import runtime
+import checkpoints
 import train
 from configs import parse_config
 from models import fused_by_default
@@ -78,14 +78,14 @@ def test_fp16_loop_skips_overflowing_steps_without_moving_the_schedule(tmp_path,
     """train.train with an initial scale so high that the first steps overflow and are skipped."""
     models = keep_built(monkeypatch, train, "build_model")
     schedulers = keep_built(monkeypatch, train, "make_scheduler")
-    scalers, real_amp = [], runtime.amp_setup
+    scalers, real_amp = [], models.amp_setup
 
     def high_scale(device, mode):
         dtype, _ = real_amp(device, mode)
         scalers.append(torch.amp.GradScaler(device.type, init_scale=2.0**24))
         return dtype, scalers[-1]
 
-    monkeypatch.setattr(runtime, "amp_setup", high_scale)
+    monkeypatch.setattr(train, "amp_setup", high_scale)
     summary = train.train(parse_config([*SMALL, *OPTIMIZERS[optimizer], "--amp", "fp16",
                                         "--out-dir", str(tmp_path)]))
     skipped = round(math.log2(2.0**24 / scalers[0].get_scale()))  # no growth within 2000 steps
@@ -159,7 +159,7 @@ def test_lr_find_sweep_reads_on_cuda():
 def test_compile(tmp_path):
     summary = train.train(parse_config([*SMALL, "--compile", "--out-dir", str(tmp_path)]))
     assert summary["val_acc"] > 0.5
-    saved = runtime.load_checkpoint(tmp_path / "last.pt")["model"]
+    saved = checkpoints.load_checkpoint(tmp_path / "last.pt")["model"]
     assert not any(key.startswith("_orig_mod.") for key in saved)
 
 

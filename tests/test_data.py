@@ -5,16 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from configs import parse_config
-from data import Batches, augment, build_loaders, epoch_plan
+from data import Batches, ImageSteps, augment, build_loaders, epoch_plan
 
 CPU = torch.device("cpu")
 
 
 def make_batches(source, labels, **overrides):
-    options = dict(batch_size=8, train=True, mean=torch.tensor([0.5]), std=torch.tensor([0.25]),
-                   pad=2, flip=True, seed=3, device=CPU)
-    options.update(overrides)
-    return Batches(source, labels, **options)
+    """Batches of uint8 images with these overrides, of Batches' options or of its ImageSteps'."""
+    image = {"mean": torch.tensor([0.5]), "std": torch.tensor([0.25]), "pad": 2, "flip": True}
+    options = {"batch_size": 8, "train": True, "seed": 3, "device": CPU}
+    for key, value in overrides.items():
+        (image if key in image else options)[key] = value
+    return Batches(source, labels, image=ImageSteps(**image), **options)
 
 
 def indexed_images(n: int = 44, size: int = 6):
@@ -125,19 +127,20 @@ def test_loaders_report_shapes(argv, shape, sizes, classes):
     x, y = next(iter(train))
     assert x.dtype == torch.float32 and y.dtype == torch.long
     assert x.shape == (16, *shape) and y.shape == (16,)
-    assert (info.channels, info.image_size, info.image_size) == shape
+    assert info.input_shape == shape and info.images
     assert (info.train_size, info.val_size) == (train.num_examples, val.num_examples) == sizes
-    assert info.num_classes == classes and int(y.max()) < classes
+    assert info.num_outputs == classes and int(y.max()) < classes
     assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16)
     assert sum(len(t) for _, t in val.epoch(0)) == sizes[1]
 
 
 def test_a_larger_synthetic_val_set_leaves_the_training_data_alone():
     """The bench's low-noise val set (bench/lr_find_rules.py) must not change what a run trains on."""
-    from data import _synthetic
+    from data import synthetic
 
     base = parse_config(["--dataset", "synthetic", "--synthetic-size", "64"])
     more = parse_config(["--dataset", "synthetic", "--synthetic-size", "64", "--synthetic-val-size", "300"])
-    (x, y, _, vy), (x2, y2, _, vy2) = _synthetic(base), _synthetic(more)
+    (x, y), (_, vy) = synthetic(base).train, synthetic(base).val
+    (x2, y2), (_, vy2) = synthetic(more).train, synthetic(more).val
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert len(vy) == 16 and len(vy2) == 300 and torch.equal(vy2[:16], vy)

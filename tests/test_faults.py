@@ -17,7 +17,8 @@ import pytest
 import torch
 from conftest import fingerprint, run_main, run_script
 
-import runtime
+import checkpoints
+import task
 import train
 from configs import Config, parse_config
 from data import build_loaders, epoch_plan
@@ -81,7 +82,7 @@ def resume_from(ctx, content) -> list[str]:
 
 
 def changed_checkpoint(ctx, change) -> dict:
-    ckpt = runtime.load_checkpoint(ctx.run / "last.pt")
+    ckpt = checkpoints.load_checkpoint(ctx.run / "last.pt")
     change(ckpt)
     return ckpt
 
@@ -123,7 +124,7 @@ def unfinished(ctx) -> list[str]:
     folder = ctx.tmp / "unfinished"
     folder.mkdir()
     ckpt = changed_checkpoint(ctx, lambda c: c.update(step=1))
-    runtime.save_checkpoint(ckpt, folder / "last.pt")
+    checkpoints.save_checkpoint(ckpt, folder / "last.pt")
     ctx.watched = folder
     return ["--out-dir", folder]
 
@@ -173,8 +174,8 @@ BAD_INPUTS = {
     "checkpoint runs code": lambda ctx: resume_from(ctx, {"model": {}, "x": Trap(ctx.tmp / "pwned")}),
     "checkpoint not a dict": lambda ctx: resume_from(ctx, [1, 2, 3]),
     "checkpoint missing keys": lambda ctx: resume_from(ctx, {"config": Config().to_dict()}),
-    "checkpoint other config": lambda ctx: [*resume_from(ctx, runtime.load_checkpoint(ctx.run / "last.pt")),
-                                            "--width", "8"],
+    "checkpoint other config": lambda ctx: [
+        *resume_from(ctx, checkpoints.load_checkpoint(ctx.run / "last.pt")), "--width", "8"],
     "checkpoint nan weights": lambda ctx: resume_from(ctx, changed_checkpoint(ctx, nan_weight)),
     "checkpoint wrong shapes": lambda ctx: resume_from(ctx, changed_checkpoint(ctx, wrong_shape)),
     # data folders
@@ -243,8 +244,8 @@ def test_nan_mid_run_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsy
     code, out, err = run_main(monkeypatch, capsys, *run)
     line = assert_one_line_failure(code, out, err)
     assert "diverged at step" in line and "still holds step 4" in line
-    saved = runtime.load_checkpoint(tmp_path / "last.pt")
-    assert saved["step"] == 4 and runtime.all_finite(saved["model"].values())
+    saved = checkpoints.load_checkpoint(tmp_path / "last.pt")
+    assert saved["step"] == 4 and checkpoints.all_finite(saved["model"].values())
     monkeypatch.setattr(train, "optimizer_step", step)
     summary = train.train(parse_config([*run[:-2], "--out-dir", str(tmp_path), "--resume"]))
     assert summary["steps"] == 12 and math.isfinite(summary["val_loss"])
@@ -252,14 +253,14 @@ def test_nan_mid_run_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsy
 
 @fault
 def test_loss_far_above_its_start_stops_the_run(tmp_path, monkeypatch, capsys):
-    real = train.F.cross_entropy
+    real = task.loss
     calls = [0]
 
-    def exploding(*args, **kwargs):
+    def exploding(*args, **kwargs):  # the task's loss: training's first 4 batches, then val's too
         calls[0] += 1
         return real(*args, **kwargs) * (1 if calls[0] <= 4 else 100)
 
-    monkeypatch.setattr(train.F, "cross_entropy", exploding)
+    monkeypatch.setattr(task, "loss", exploding)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "2", "--log-every", "2",
                               "--out-dir", tmp_path)
     line = assert_one_line_failure(code, out, err)
@@ -273,14 +274,15 @@ def test_nan_val_loss_is_reported_and_not_saved(tmp_path, monkeypatch, capsys):
     def evaluate(*args):
         calls[0] += 1
         result = real(*args)
-        return dataclasses.replace(result, loss=float("nan"), acc=0.9) if calls[0] == 2 else result
+        nan = {"loss": float("nan"), "acc": 0.9}
+        return dataclasses.replace(result, metrics=nan) if calls[0] == 2 else result
 
     monkeypatch.setattr(train, "evaluate", evaluate)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "2", "--out-dir", tmp_path)
     line = assert_one_line_failure(code, out, err)
     assert "val loss nan after epoch 2" in line and "still holds step 4" in line
-    assert runtime.load_checkpoint(tmp_path / "last.pt")["step"] == 4
-    assert runtime.load_checkpoint(tmp_path / "best.pt")["step"] == 4
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 4
+    assert checkpoints.load_checkpoint(tmp_path / "best.pt")["step"] == 4
 
 
 def imagefolder_run(images, tmp_path, *extra) -> tuple[Path, list]:
@@ -301,8 +303,9 @@ def test_unreadable_image_in_a_worker_saves_and_resumes(images, tmp_path, monkey
     code, out, err = run_main(monkeypatch, capsys, *run)
     line = assert_one_line_failure(code, out, err)
     assert f"cannot read image {bad} (class folder '{bad.parent.name}')" in line and "--resume" in line
-    saved = runtime.load_checkpoint(tmp_path / "run" / "last.pt")
-    assert (saved["epoch"], saved["batch"], saved["step"]) == (0, 2, 2) and "holds step 2" in line
+    saved = checkpoints.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert (saved["run"]["epoch"], saved["run"]["batch"], saved["step"]) == (0, 2, 2)
+    assert "holds step 2" in line
     save_png(bad, 12, 5)
     summary = train.train(parse_config([*map(str, run), "--resume"]))
     assert summary["epochs"] == 2 and math.isfinite(summary["val_loss"])
@@ -317,8 +320,8 @@ def test_truncated_image_in_val_saves_at_the_epoch_end(images, tmp_path, monkeyp
     code, out, err = run_main(monkeypatch, capsys, *run)
     line = assert_one_line_failure(code, out, err)
     assert "big.png (class folder 'dark')" in line
-    saved = runtime.load_checkpoint(tmp_path / "run" / "last.pt")
-    assert (saved["epoch"], saved["batch"], saved["step"]) == (0, 4, 4)
+    saved = checkpoints.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert (saved["run"]["epoch"], saved["run"]["batch"], saved["step"]) == (0, 4, 4)
 
 
 @fault
@@ -370,7 +373,7 @@ class DiskFull(io.RawIOBase):
 
 
 def fail_writes(monkeypatch, name: str, error: int, after: int = 0, room: int = 1000):
-    """Make runtime's writes of `name` fail with `error` from the (after+1)-th on."""
+    """Make checkpoints.py's writes of `name` fail with `error` from the (after+1)-th on."""
     real_open, seen = open, [0]
 
     def fake_open(path, mode="r", *args, **kwargs):
@@ -382,7 +385,7 @@ def fail_writes(monkeypatch, name: str, error: int, after: int = 0, room: int = 
                 raise OSError(error, os.strerror(error), str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(runtime, "open", fake_open, raising=False)
+    monkeypatch.setattr(checkpoints, "open", fake_open, raising=False)
 
 
 @fault
@@ -392,7 +395,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
     line = assert_one_line_failure(code, out, err)
     assert f"cannot write {tmp_path / 'last.pt'}: no space left on device (needs " in line
     assert " free)" in line and "last.pt is unchanged" in line
-    assert runtime.load_checkpoint(tmp_path / "last.pt")["step"] == 4
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 4
     assert sorted(p.name for p in tmp_path.glob("*.pt*")) == ["best.pt", "last.pt"]
 
 
@@ -412,7 +415,7 @@ def test_disk_full_for_summary_json_after_training(tmp_path, monkeypatch, capsys
     line = assert_one_line_failure(code, out, err)
     assert "summary.json: no space left on device" in line
     assert not (tmp_path / "summary.json").exists()
-    assert runtime.load_checkpoint(tmp_path / "last.pt")["step"] == 4
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 4
 
 
 @fault
@@ -439,7 +442,7 @@ def test_tensorboard_write_error(after, tmp_path, monkeypatch, capsys):
 
 @fault
 def test_too_little_space_for_a_checkpoint_is_found_at_start_up(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(runtime.shutil, "disk_usage", lambda path: SimpleNamespace(free=500))
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: SimpleNamespace(free=500))
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--out-dir", tmp_path)
     line = assert_one_line_failure(code, out, err)
     assert "has 500 bytes free but a checkpoint needs about" in line
@@ -559,7 +562,7 @@ def test_crop_and_flip_are_chosen_apart(dataset, argv, pad, flip, images):
     cfg = parse_config(["--dataset", dataset, "--data-dir", str(images), "--image-size", "8",
                         "--batch-size", "4", *argv])
     batches, _, _ = build_loaders(cfg, torch.device("cpu"))
-    assert (batches.pad, batches.flip) == (pad, flip)
+    assert (batches.image.pad, batches.image.flip) == (pad, flip)
 
 
 def test_the_divergence_guard_reads_the_device_only_at_log_points(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 from conftest import fingerprint, run_main
 from PIL import Image
 
-import runtime
+import checkpoints
 import train
 from configs import parse_config
 from data import build_loaders
@@ -89,7 +89,7 @@ def test_pretrained_loads_the_local_weights_file_and_swaps_the_head(torch_home, 
     batches, _, info = build_loaders(parse_config([*folder, "--model", "squeezenet1_1", "--pretrained"]),
                                      torch.device("cpu"))
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
-    assert info.image_size == 224 and next(iter(batches))[0].shape == (4, 3, 224, 224)
+    assert info.input_shape[1:] == (224, 224) and next(iter(batches))[0].shape == (4, 3, 224, 224)
     assert torch.allclose(batches.denormalize(torch.zeros(1, 3, 1, 1)).flatten(), mean)
     assert torch.allclose(batches.scale.flatten(), 1 / (255 * std))
 
@@ -103,7 +103,7 @@ def test_pretrained_loads_the_local_weights_file_and_swaps_the_head(torch_home, 
 
 
 def test_init_from_loads_equal_tensors_and_starts_a_new_run(finished, tmp_path, capsys):
-    saved = runtime.load_checkpoint(finished / "best.pt")["model"]
+    saved = checkpoints.load_checkpoint(finished / "best.pt")["model"]
     model = build_model(parse_config([*TINY, "--init-from", str(finished / "best.pt")]), 3, 2)
     assert model.state_dict().keys() == saved.keys()
     assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
@@ -117,11 +117,11 @@ def test_init_from_loads_equal_tensors_and_starts_a_new_run(finished, tmp_path, 
                                         "--out-dir", str(tmp_path / "run")]))
     assert summary["steps"] == 4 and summary["epochs"] == 1  # a run of its own, counted from 0
     assert f"weights from {finished / 'best.pt'}\n" in capsys.readouterr().out
-    assert runtime.load_checkpoint(tmp_path / "run" / "last.pt")["config"]["init_from"]
+    assert checkpoints.load_checkpoint(tmp_path / "run" / "last.pt")["config"]["init_from"]
 
 
 def test_init_from_with_another_class_count_reinitialises_only_the_head(finished, capsys):
-    saved = runtime.load_checkpoint(finished / "best.pt")["model"]
+    saved = checkpoints.load_checkpoint(finished / "best.pt")["model"]
     cfg = parse_config([*TINY, "--num-classes", "3", "--init-from", str(finished / "best.pt")])
     built = build_model(cfg, 3, 3).state_dict()
     assert capsys.readouterr().out == (f"weights from {finished / 'best.pt'}; classifier head 8 "

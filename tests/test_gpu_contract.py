@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from conftest import ROOT
 from torch import nn
 
+import checkpoints
 import data
-import runtime
+import distributed
+import models
 import train
 from configs import UserError, parse_config
 from models import build_model, build_optimizer, fused_by_default
@@ -63,7 +65,7 @@ def check_fused_fp16_matches_unfused(name: str, device: torch.device, decide_on:
     """
     cfg = parse_config([*TINY, *OPTIMIZERS[name], "--amp", "fp16"])
     fused = fused_by_default(cfg, decide_on)
-    # runtime.pick_device (run by earlier tests) turns on TF32 and cuDNN autotuning, whose rounding
+    # distributed.pick_device (run by earlier tests) turns on TF32 and cuDNN autotuning, whose rounding
     # Adam's normalised steps amplify past any bound; the kernels are compared without them.
     flags = (torch.backends.cudnn, "allow_tf32", False), (torch.backends.cudnn, "benchmark", False), (
         torch.backends.cuda.matmul, "allow_tf32", False)
@@ -120,7 +122,7 @@ def test_auto_amp_and_fused_choice_on_cuda(monkeypatch, native):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake_bf16_support(native))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a GradScaler("cuda") without CUDA warns that it is disabled
-        dtype, scaler = runtime.amp_setup(CUDA, "auto")
+        dtype, scaler = models.amp_setup(CUDA, "auto")
     assert dtype == (torch.bfloat16 if native else torch.float16)
     assert (scaler is None) == native
     sgd, adamw = (parse_config(OPTIMIZERS[name]) for name in ("sgd", "adamw"))
@@ -208,8 +210,8 @@ class WorkerPids(torch.utils.data.Dataset):
 
 
 def test_dataloader_workers_survive_epochs_and_evaluations():
-    common = dict(batch_size=4, mean=torch.zeros(1), std=torch.ones(1), pad=0, flip=False, seed=0,
-                  device=CPU, num_workers=2)
+    common = dict(batch_size=4, image=data.ImageSteps(torch.zeros(1), torch.ones(1)), seed=0, device=CPU,
+                  num_workers=2)
     for split in (data.Batches(WorkerPids(), None, train=True, **common),
                   data.Batches(WorkerPids(), None, train=False, **common)):
         pids = [set(torch.cat([y for _, y in split.epoch(e)]).tolist()) for e in range(3)]
@@ -224,7 +226,7 @@ def check_checkpoint_round_trip(tmp_path, monkeypatch, device: str, flags: list[
     (fused or not, state on the same devices) and GradScaler come back equal. Then resume for a
     second epoch. Returns the live optimizer's defaults, to see whether it was fused."""
     live = {}
-    real_model, real_optimizer, real_amp = train.build_model, train.build_optimizer, runtime.amp_setup
+    real_model, real_optimizer, real_amp = train.build_model, train.build_optimizer, train.amp_setup
 
     def keep(name, build):
         def wrapper(*args, **kwargs):
@@ -234,13 +236,13 @@ def check_checkpoint_round_trip(tmp_path, monkeypatch, device: str, flags: list[
 
     monkeypatch.setattr(train, "build_model", keep("model", real_model))
     monkeypatch.setattr(train, "build_optimizer", keep("optimizer", real_optimizer))
-    monkeypatch.setattr(runtime, "amp_setup", keep("amp", real_amp))
+    monkeypatch.setattr(train, "amp_setup", keep("amp", real_amp))
     argv = [*TINY, "--device", device, "--schedule", "constant", "--out-dir", str(tmp_path), *flags]
     cfg = parse_config([*argv, "--epochs", "1"])
     train.train(cfg)
     model, optimizer, (_, scaler) = live["model"], live["optimizer"], live["amp"]
 
-    ckpt = runtime.load_checkpoint(tmp_path / "last.pt")
+    ckpt = checkpoints.load_checkpoint(tmp_path / "last.pt")
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -280,8 +282,8 @@ def test_checkpoint_round_trip_fp16(tmp_path, monkeypatch):
 def test_explicit_gpu_index_under_torchrun_is_refused(monkeypatch, script):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="one GPU.*--device cuda"):
-        runtime.pick_device("cuda:0")
-    assert runtime.pick_device("cpu") == CPU
+        distributed.pick_device("cuda:0")
+    assert distributed.pick_device("cpu") == CPU
     result = script("train.py", "--device", "cuda:1", "--epochs", "1", env={"WORLD_SIZE": "2"}, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "torchrun" in result.stderr
@@ -322,13 +324,15 @@ class FakeCIFAR10:
         note(f"rank {rank} reads")
         g = torch.Generator().manual_seed(int(train))
         self.data = torch.randint(0, 256, (12, 32, 32, 3), generator=g, dtype=torch.uint8)
+        self.classes = [str(c) for c in range(10)]
         self.targets = torch.randint(0, 10, (12,), generator=g).tolist()
 
 
 torchvision.datasets.CIFAR10 = FakeCIFAR10
 dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
 dist.barrier()  # both ranks reach the dataset at the same moment
-images, labels, _, _, _ = data._torchvision_set(parse_config(["--dataset", "cifar10", "--data-dir", root]))
+cfg = parse_config(["--dataset", "cifar10", "--data-dir", root])
+images, labels = data.torchvision_set("CIFAR10", cfg).train
 assert images.shape == (12, 3, 32, 32) and len(labels) == 12
 dist.destroy_process_group()
 '''

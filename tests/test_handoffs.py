@@ -14,9 +14,11 @@ import torch
 from conftest import ROOT, run_main, run_script
 from test_resume import assert_same_state, final_state
 
-import runtime
+import checkpoints
+import lr_find
+import task
 import train
-from configs import UserError, lr_setup_differences, parse_config, resolve_lr, resumed_config
+from configs import UserError, lr_setup_differences, parse_config, resumed_config
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
         "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
@@ -31,6 +33,7 @@ def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
     """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
+    config["task"] = lr_find.task_identity(task)
     record = {"lrs": [1e-3, 1e-1], "losses": [2.3, 2.0], "smoothed": [2.3, 2.1], "method": "min/10",
               "stop_reason": "completed", "suggestion": suggestion, "config": config, **extra}
     (out_dir / "lr_find.json").write_text(json.dumps(record))
@@ -65,14 +68,18 @@ def test_lr_auto_refuses_a_rate_measured_on_another_setup(swept, shown, tmp_path
 def test_lr_auto_takes_the_rate_of_the_same_setup(tmp_path):
     write_sweep(tmp_path, 0.05, *TINY, "--epochs", "9", "--seed", "3", "--find-iters", "80")
     cfg = parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)])
-    assert resolve_lr(cfg) == 0.05  # epochs, seed and the sweep's own settings do not count
+    assert train.resolve_lr(cfg, task) == 0.05  # epochs, seed and the sweep's own settings do not count
 
 
-def test_momentum_counts_only_for_sgd():
-    adamw = parse_config(["--optimizer", "adamw", "--momentum", "0.5", "--no-nesterov"]).to_dict()
-    assert lr_setup_differences(adamw, parse_config(["--optimizer", "adamw"])) == []
-    sgd = parse_config(["--no-nesterov"]).to_dict()
-    assert lr_setup_differences(sgd, parse_config([])) == ["nesterov: False -> True"]
+def test_momentum_counts_only_for_sgd(tmp_path):
+    """The optimizer registry says which settings each optimizer reads: two adamw sweeps ignore
+    momentum and nesterov, two sgd ones do not."""
+    write_sweep(tmp_path, 0.05, *TINY, "--optimizer", "adamw", "--momentum", "0.5", "--no-nesterov")
+    assert train.resolve_lr(parse_config([*TINY, "--optimizer", "adamw", "--lr", "auto",
+                                          "--out-dir", str(tmp_path)]), task) == 0.05
+    write_sweep(tmp_path, 0.05, *TINY, "--no-nesterov")
+    with pytest.raises(UserError, match="nesterov: False -> True"):
+        train.resolve_lr(parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)]), task)
 
 
 def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
@@ -80,13 +87,13 @@ def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
     suggestions = {"peak": {"lr": 0.05, "method": "minimum", "schedules": ["onecycle"]},
                    "base": {"lr": 0.01, "method": "knee", "schedules": ["constant", "step", "cosine"]}}
     write_sweep(tmp_path, 0.05, *TINY, suggestions=suggestions)
-    lr_of = {name: resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
-                                                  "--out-dir", str(tmp_path)]))
+    lr_of = {name: train.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
+                                                  "--out-dir", str(tmp_path)]), task)
              for name in ("onecycle", "cosine")}
     assert lr_of == {"onecycle": 0.05, "cosine": 0.01}
     with pytest.raises(UserError, match="schedule: none of its suggestions serves 'warmup'"):
-        resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs", "1",
-                                       "--out-dir", str(tmp_path)]))
+        train.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs", "1",
+                                       "--out-dir", str(tmp_path)]), task)
 
 
 # ---------------------------------------------------------------- --lr find
@@ -104,7 +111,7 @@ def test_lr_find_trains_exactly_as_the_rate_it_found(tmp_path, capsys):
     assert plain["lr"] == found["lr"]
     assert_same_state(final_state(tmp_path / "find" / "last.pt"), final_state(tmp_path / "p" / "last.pt"))
     again = parse_config([*argv, "--lr", "auto", "--out-dir", str(tmp_path / "find")])
-    assert resolve_lr(again) == found["lr"]  # and --lr auto accepts the sweep as this setup's
+    assert train.resolve_lr(again, task) == found["lr"]  # and --lr auto accepts the sweep as this setup's
 
 
 def test_lr_find_without_a_suggestion_is_one_line(tmp_path, monkeypatch, capsys):
@@ -151,7 +158,7 @@ def test_resume_needs_only_the_out_dir(tmp_path, monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="went away"):
         train.train(parse_config([*argv, "--out-dir", str(broken)]))
     monkeypatch.setattr(train, "optimizer_step", real_step)
-    saved = runtime.load_checkpoint(broken / "last.pt")
+    saved = checkpoints.load_checkpoint(broken / "last.pt")
     assert saved["step"] == 6 and saved["config"]["lr"] == 0.05  # --lr auto saved as the number used
     (broken / "lr_find.json").unlink()  # a resume never reads it again
 
@@ -173,7 +180,7 @@ def test_resume_needs_only_the_out_dir(tmp_path, monkeypatch, capsys):
                               "--allow-more-epochs")
     assert code == 0, err
     assert json.loads((broken / "summary.json").read_text())["steps"] == 24
-    assert runtime.load_checkpoint(broken / "last.pt")["config"]["allow_more_epochs"] is True
+    assert checkpoints.load_checkpoint(broken / "last.pt")["config"]["allow_more_epochs"] is True
     code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", broken, "--epochs", "4")
     assert "epochs: 3 -> 4" in one_line(code, err)  # the permission is never taken from a checkpoint
 
@@ -240,7 +247,7 @@ def test_failed_download_leaves_no_folders_it_created(tmp_path):
 
 
 def test_resume_header_counts_epochs_from_1():
-    assert runtime.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
-    assert runtime.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
-    assert runtime.position(3, 0, 3, 8) == "the run was already complete"
+    assert checkpoints.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
+    assert checkpoints.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
+    assert checkpoints.position(3, 0, 3, 8) == "the run was already complete"
 

@@ -40,10 +40,10 @@ def test_a_fixed_size_model_gets_its_inputs_resized():
     cfg = parse_config(["--model", "vit_b_16", "--batch-size", "2", "--device", "cpu"])
     batches, _, info = build_loaders(cfg, torch.device("cpu"))
     inputs, _ = next(iter(batches))
-    assert inputs.shape == (2, 1, 224, 224) and info.image_size == 224
+    assert inputs.shape == (2, 1, 224, 224) and info.input_shape == (1, 224, 224)
     assert info.notes == ["vit_b_16 takes inputs of exactly 224x224 px: the 8x8 images are resized "
                           "to 224x224 on the device"]
-    model = build_model(cfg, info.channels, info.num_classes).eval()
+    model = build_model(cfg, info.channels, info.num_outputs).eval()
     with torch.no_grad():
         assert model(inputs).shape == (2, 10)
     with pytest.raises(UserError, match="exactly 224x224 px; pass --image-size 224"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
-import runtime
+import checkpoints
 from configs import UserError
 
 RUN = ["--dataset", "synthetic", "--synthetic-size", "512", "--image-size", "16", "--width", "16",
@@ -38,8 +38,10 @@ def assert_same_state(a, b, where="checkpoint"):
 
 
 def final_state(path: Path) -> dict:
-    ckpt = runtime.load_checkpoint(path)
-    return {k: ckpt[k] for k in ("model", "optimizer", "scheduler", "epoch", "batch", "step")}
+    """What a checkpoint holds that an interrupted run must reproduce (not its timings)."""
+    ckpt = checkpoints.load_checkpoint(path)
+    position = {k: ckpt["run"][k] for k in ("epoch", "batch", "step", "best", "start_loss")}
+    return {**{k: ckpt[k] for k in ("model", "optimizer", "scheduler", "scaler")}, **position}
 
 
 def child_pids(pid: int) -> list[int]:
@@ -110,8 +112,8 @@ def test_kill_9_mid_epoch_then_resume_is_bit_identical(tmp_path):
     assert run_script("train.py", *run, "--out-dir", str(straight)).returncode == 0
     kill_after_first_save([sys.executable, "train.py", *run, "--out-dir", str(broken),
                            "--save-every", "5"], broken / "last.pt")
-    saved = runtime.load_checkpoint(broken / "last.pt")
-    assert 0 < saved["step"] < 48 and saved["batch"] % 16 != 0, "the kill did not land mid-epoch"
+    saved = checkpoints.load_checkpoint(broken / "last.pt")
+    assert 0 < saved["step"] < 48 and saved["run"]["batch"] % 16 != 0, "the kill did not land mid-epoch"
     result = run_script("train.py", *run, "--out-dir", str(broken), "--save-every", "5", "--resume")
     assert result.returncode == 0, result.stderr
     assert resumed_at(result.stdout) == saved["step"]
@@ -128,7 +130,7 @@ def test_sigterm_saves_before_exiting(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "interrupted" in out and "--resume" in out
-    assert runtime.load_checkpoint(tmp_path / "last.pt")["step"] > 16
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] > 16
     fresh = run_script("train.py", *RUN, "--epochs", "50", "--out-dir", str(tmp_path))
     assert fresh.returncode == 2 and fresh.stderr.count("\n") == 1
     assert "unfinished run" in fresh.stderr and "--resume" in fresh.stderr
@@ -136,15 +138,15 @@ def test_sigterm_saves_before_exiting(tmp_path):
 
 def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
-    runtime.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    checkpoints.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
 
     def crash(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runtime.os, "replace", crash)
+    monkeypatch.setattr(checkpoints.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        runtime.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
-    assert runtime.load_checkpoint(path)["step"] == 1
+        checkpoints.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+    assert checkpoints.load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
@@ -162,7 +164,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path, script):
     target, path = tmp_path / "pwned", tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": Trap(target)}, path)
     with pytest.raises(UserError, match="refused") as err:
-        runtime.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
     result = script("train.py", "--resume", str(path), "--out-dir", str(tmp_path), "--epochs", "1")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
@@ -171,10 +173,10 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path, script):
 
 def test_truncated_checkpoint_gives_one_line(tmp_path, script):
     path = tmp_path / "last.pt"
-    runtime.save_checkpoint({"w": torch.randn(1000)}, path)
+    checkpoints.save_checkpoint({"w": torch.randn(1000)}, path)
     path.write_bytes(path.read_bytes()[:1500])
     with pytest.raises(UserError, match="truncated or corrupt") as err:
-        runtime.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
     result = script("train.py", "--resume", "--out-dir", str(tmp_path), "--epochs", "1")
     assert result.returncode == 2, result.stderr
@@ -185,7 +187,7 @@ def test_a_file_that_is_no_checkpoint_is_named_so(tmp_path):
     path = tmp_path / "last.pt"
     path.write_bytes(b"garbage\n")  # torch reads it as a pickle and says "Unsupported operand 103"
     with pytest.raises(UserError) as err:
-        runtime.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
     assert str(err.value) == (f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); "
                               "delete it or resume from another file")
 
@@ -234,7 +236,7 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
 
     kill_after_first_save([*TORCHRUN, *DDP_RUN, "--out-dir", str(broken), "--save-every", "3"],
                           broken / "last.pt", env=DDP_ENV)
-    saved_step = runtime.load_checkpoint(broken / "last.pt")["step"]
+    saved_step = checkpoints.load_checkpoint(broken / "last.pt")["step"]
     assert saved_step < summary["steps"]
     resumed = torchrun(*DDP_RUN, "--out-dir", str(broken), "--save-every", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -15,7 +15,8 @@ from conftest import ROOT, read_scalars
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import runtime
+import checkpoints
+import task
 import train
 from configs import parse_config
 from data import build_loaders
@@ -56,8 +57,8 @@ def test_a_default_run_shows_its_inputs_its_confusion_and_its_worst_mistakes(tmp
     assert torch.equal(grid[4:68, 4:68, 0], expected) and torch.equal(grid[4:68, 4:68, 2], expected)
 
     # summary.json's per-class accuracy is what the saved model gets on each class.
-    model = build_model(cfg, info.channels, info.num_classes)
-    model.load_state_dict(runtime.load_checkpoint(tmp_path / "last.pt")["model"])
+    model = build_model(cfg, info.channels, info.num_outputs)
+    model.load_state_dict(checkpoints.load_checkpoint(tmp_path / "last.pt")["model"])
     model.eval()
     right, seen = torch.zeros(10), torch.zeros(10)
     with torch.no_grad():
@@ -76,16 +77,17 @@ def test_a_default_run_shows_its_inputs_its_confusion_and_its_worst_mistakes(tmp
 
 
 def test_tally_counts_on_the_device_and_keeps_the_most_confident_mistakes():
-    tally = runtime.Tally(3, torch.device("cpu"), keep=2)
+    tally = task.Tally(parse_config([]), ["a", "b", "c"], torch.device("cpu"), keep=2)
     logits = torch.tensor([[5.0, 0, 0], [0, 4, 0], [0, 0, 9], [1, 0, 0], [0, 0, 3]])
     targets = torch.tensor([0, 0, 1, 2, 2])
     images = torch.arange(5.0).view(5, 1, 1, 1)
     tally.add(logits[:3], targets[:3], images[:3])  # two batches: the mistakes are 1, 2 and 3
     tally.add(logits[3:], targets[3:], images[3:])
     result = tally.result()
-    assert result.confusion == [[1, 1, 0], [0, 0, 1], [1, 0, 1]]
-    assert result.acc == 2 / 5 and result.per_class_acc == [0.5, 0.0, 0.5]
-    assert result.loss == pytest.approx(F.cross_entropy(logits, targets).item())
+    assert result.details["confusion"] == [[1, 1, 0], [0, 0, 1], [1, 0, 1]]
+    assert result.metrics["acc"] == 2 / 5
+    assert result.details["per_class_acc"] == {"a": 0.5, "b": 0.0, "c": 0.5}
+    assert result.metrics["loss"] == pytest.approx(F.cross_entropy(logits, targets).item())
     confidence, inputs, truth, predicted = result.worst
     assert inputs.flatten().tolist() == [2.0, 1.0]  # p = 0.9998 and 0.96; image 3's 0.58 is not kept
     assert truth.tolist() == [1, 0] and predicted.tolist() == [2, 1]
@@ -129,7 +131,7 @@ def test_two_fresh_runs_and_a_kill_9_then_resume_log_every_step_once(tmp_path):
     crashed = subprocess.run([sys.executable, "-c", CRASH, *RUN, "--out-dir", str(out)], cwd=ROOT,
                              capture_output=True, text=True, timeout=240)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    assert runtime.load_checkpoint(out / "last.pt")["step"] == 4
+    assert checkpoints.load_checkpoint(out / "last.pt")["step"] == 4
     logged = [e.step for e in events(out).Scalars("train/loss")]
     assert logged == [1, 2, 3, 4, 5, 6], "the crash should leave steps after the checkpoint on disk"
     started = int(next(out.glob("events.out.tfevents.*")).name.split(".")[3])

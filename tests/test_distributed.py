@@ -1,4 +1,4 @@
-"""Device and AMP choice, unwrapping compiled or DDP models for clean checkpoint keys, RNG states."""
+"""Device and AMP choice, unwrapping compiled or DDP models, ranks in sync, RNG states in checkpoints."""
 
 import json
 import math
@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import runtime
+import checkpoints
+import distributed
+import models
 from configs import UserError
 
 
@@ -17,14 +19,14 @@ def test_unwrap_strips_compile_and_ddp_prefixes(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     compiled = torch.compile(model)  # lazy: nothing is compiled until it is called
     assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
-    assert runtime.unwrap(compiled) is model
+    assert distributed.unwrap(compiled) is model
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
         wrapped = nn.parallel.DistributedDataParallel(compiled)
-        assert runtime.unwrap(wrapped) is model
-        assert list(runtime.unwrap(wrapped).state_dict()) == ["0.weight", "0.bias"]
-        assert runtime.ranks_agree(model)
+        assert distributed.unwrap(wrapped) is model
+        assert list(distributed.unwrap(wrapped).state_dict()) == ["0.weight", "0.bias"]
+        assert distributed.ranks_agree(model)
     finally:
         dist.destroy_process_group()
 
@@ -36,16 +38,16 @@ def ranks_agree_worker(rank: int, store: str, out_dir: str) -> None:
     try:
         torch.manual_seed(0)  # the same model on both ranks
         model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-        verdicts = [runtime.ranks_agree(model)]
+        verdicts = [distributed.ranks_agree(model)]
         for tensor in (model[0].weight, model[1].running_mean):  # a parameter, then a buffer
             before = tensor.detach().clone()
             if rank == 1:
                 with torch.no_grad():
                     tensor.view(-1)[1] = torch.nextafter(tensor.view(-1)[1], torch.tensor(math.inf))
-            verdicts.append(runtime.ranks_agree(model))
+            verdicts.append(distributed.ranks_agree(model))
             with torch.no_grad():
                 tensor.copy_(before)
-        verdicts.append(runtime.ranks_agree(model))
+        verdicts.append(distributed.ranks_agree(model))
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(verdicts))
     finally:
         dist.destroy_process_group()
@@ -61,32 +63,32 @@ def test_ranks_agree_notices_one_rank_one_ulp_off(tmp_path):
 
 def test_amp_choices_on_cpu():
     cpu = torch.device("cpu")
-    assert runtime.amp_setup(cpu, "auto") == (None, None)
-    assert runtime.amp_setup(cpu, "off") == (None, None)
-    assert runtime.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
-    dtype, scaler = runtime.amp_setup(cpu, "fp16")
+    assert models.amp_setup(cpu, "auto") == (None, None)
+    assert models.amp_setup(cpu, "off") == (None, None)
+    assert models.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
+    dtype, scaler = models.amp_setup(cpu, "fp16")
     assert dtype == torch.float16 and isinstance(scaler, torch.amp.GradScaler)
 
 
 def test_device_errors_are_one_line():
-    assert runtime.pick_device("cpu") == torch.device("cpu")
+    assert distributed.pick_device("cpu") == torch.device("cpu")
     with pytest.raises(UserError, match="unknown device"):
-        runtime.pick_device("tpu")
+        distributed.pick_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="no CUDA GPU"):
-            runtime.pick_device("cuda")
+            distributed.pick_device("cuda")
 
 
 def test_rng_state_survives_a_weights_only_checkpoint(tmp_path):
-    """runtime.capture_rng_state/restore_rng_state, as train.py's checkpoints use them: torch, Python
+    """checkpoints.capture_rng_state/restore_rng_state, as train.py's checkpoints use them: torch, Python
     and numpy draw the same numbers again after a save, a weights_only load and a restore."""
     import random
 
     import numpy as np
 
     path = tmp_path / "rng.pt"
-    runtime.save_checkpoint({"rng": runtime.capture_rng_state()}, path)
+    checkpoints.save_checkpoint({"rng": checkpoints.capture_rng_state()}, path)
     first = (torch.rand(3), random.random(), np.random.rand())
-    runtime.restore_rng_state(runtime.load_checkpoint(path)["rng"])
+    checkpoints.restore_rng_state(checkpoints.load_checkpoint(path)["rng"])
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], again[0]) and first[1:] == again[1:]

@@ -1,0 +1,331 @@
+"""Files a run writes and reads back: checkpoints, and every other output written whole.
+
+A checkpoint is written atomically (temporary file, fsync, rename) and loaded with
+weights_only=True; a failed write is one UserError line naming the file, the size it needed and
+the space left, and the previous file stays as it was. Resuming checks the file and the config
+before any state is put back. The run folder's own checks live here too: writable, room for a
+checkpoint, no unfinished run to overwrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from configs import Config, UserError, check_resumable, resumed_config
+
+
+def save_checkpoint(state: dict, path: str | Path) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, then os.replace.
+
+    A crash or kill at any moment leaves either the old file or the new one, never a torn one.
+    A failed write (disk full, no permission, read-only) raises UserError naming the path, the
+    size it needed and the free space, and leaves the old file as it was.
+    """
+
+    def write(file) -> None:
+        keeper = _ErrorKeeper(file)
+        try:
+            torch.save(state, keeper)
+        except RuntimeError:
+            if keeper.error is None:
+                raise
+            raise keeper.error from None
+
+    _write_atomic(Path(path), write, lambda: _tensor_bytes(state))
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """torch.load with weights_only=True: tensors and plain data only, never code."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} not found; train first or pass --resume PATH")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; this is something else
+            raise UserError(f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); "
+                            "delete it or resume from another file") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else "unsafe content"
+        if "Weights only load failed" in reason:
+            reason = "it holds objects other than tensors and plain data"
+        raise UserError(f"checkpoint {path} refused: {reason}; only weights_only checkpoints "
+                        "load (nothing in it was executed)") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first[:120]}); "
+                        "delete it or resume from another file") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {path} does not hold a dict of training state")
+    return state
+
+
+def all_finite(tensors) -> bool:
+    """True when no floating-point tensor holds a nan or inf; one device read for all of them."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+# lr_find.py keeps a private copy of these two, so that it can be copied into a project alone.
+
+def capture_rng_state() -> dict:
+    """Every global RNG a training step may draw from, as tensors and plain values only (so it
+    survives ``torch.save``/``torch.load(weights_only=True)`` inside a checkpoint)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")  # touched only when the caller already imported it
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                          float(cached))
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
+    if "numpy" in state:
+        np = sys.modules.get("numpy") or importlib.import_module("numpy")
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+        np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+
+
+# ---------------------------------------------------------------- files written whole, and the run folder
+
+FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+         errno.EROFS: "use a writable disk", errno.ENOTDIR: "move the file in the way",
+         errno.EISDIR: "move the folder in the way"}
+
+def check_writable_dir(path: str | Path, what: str = "--out-dir") -> None:
+    """Prove that `path` can be created and written, before any time is spent training.
+
+    Folders it had to create are removed again, so a run that then stops on another error
+    leaves nothing behind.
+    """
+    path = Path(path)
+    created = [folder for folder in (path, *path.parents) if not folder.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise UserError(f"cannot create {what} {path}: a file is in the way; pick another {what}") from None
+    except OSError as err:
+        raise write_error(path, err, label=f"{what} {path}") from None
+    finally:
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def check_free_space(path: str | Path, needed: int, what: str) -> None:
+    """Refuse at start-up when `path`'s disk cannot hold `needed` bytes (one checkpoint, say)."""
+    free = _free_bytes(Path(path))
+    if free is not None and free < needed:
+        raise UserError(f"{path} has {_size(free)} free but {what} needs about {_size(needed)}; "
+                        "free some space or pick another --out-dir")
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write any file the way checkpoints are written: whole or not at all, one line on failure."""
+    _write_atomic(Path(path), lambda file: file.write(data), lambda: len(data))
+
+
+def write_json_atomic(path: str | Path, value) -> None:
+    write_bytes_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
+
+
+@contextlib.contextmanager
+def reporting_write_errors(path: str | Path, label: str | None = None):
+    """Turn an OSError inside the block (say, from a TensorBoard writer) into one UserError line,
+    naming `label`, else the file that failed, else `path`."""
+    try:
+        yield
+    except OSError as err:
+        raise write_error(path, err, label=label or err.filename) from None
+
+
+def write_error(path: str | Path, err: OSError, size: int | None = None,
+                label: str | None = None) -> UserError:
+    """One line for a failed write: the file, why, the size it needed and the space left there."""
+    free = _free_bytes(Path(path))
+    facts = ([f"needs about {_size(size)}"] if size is not None else []) + (
+        [f"{_size(free)} free"] if free is not None else [])
+    detail = f" ({', '.join(facts)})" if facts else ""
+    fix = FIXES.get(err.errno, "fix its permissions")
+    return UserError(f"cannot write {label or path}: {_reason(err)}{detail}; {fix} or pick "
+                     "another --out-dir")
+
+
+def _write_atomic(path: Path, write: Callable, size: Callable[[], int]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        error = write_error(path, err, size())
+        raise UserError(f"{error}; any earlier {path.name} is unchanged") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _ErrorKeeper:
+    """torch.save reports an OSError from write() as a RuntimeError without its errno; keep it."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk holding `path`, or its nearest existing parent; None if unknown."""
+    for folder in (path, *path.absolute().parents):
+        with contextlib.suppress(OSError):
+            if folder.exists():
+                return shutil.disk_usage(folder).free
+    return None
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def _reason(err: OSError) -> str:
+    text = err.strerror or str(err) or type(err).__name__
+    return text[:1].lower() + text[1:]
+
+
+# ---------------------------------------------------------------- resume
+
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config")  # train.py's save_checkpoint
+
+
+def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, Path, Config]:
+    """--resume: the checkpoint, its path, and the config the run continues with (the checkpoint's,
+    with `given`, the settings the command line gave, on top; None: all of cfg's). Refuses in one
+    line a file that is not a train.py checkpoint, another task's, nan/inf weights, and a config that
+    would change what the saved state means."""
+    path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    ckpt = load_checkpoint(path)
+    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint of this "
+                        "version")
+    if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):
+        raise UserError(f"checkpoint {path} is not a train.py checkpoint (model or config is not a dict)")
+    if ckpt.get("task") != task_name:
+        raise UserError(f"checkpoint {path} was trained for the task {ckpt.get('task')!r}, and task.py is "
+                        f"{task_name!r}; resume it with the task.py it was trained with, or start a new run")
+    if not all_finite([t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]):
+        raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
+                        "run with a lower --lr")
+    cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
+    check_resumable(ckpt["config"], cfg)
+    return ckpt, path, cfg
+
+
+def restore_training_state(ckpt: dict, path: Path, model: nn.Module, optimizer, scheduler, scaler) -> None:
+    """A checkpoint's states back into the run's objects; one UserError line if they do not fit."""
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        restore_rng_state(ckpt["rng"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise UserError(f"checkpoint {path} does not fit this model and optimizer ({first}); "
+                        "resume it with the settings it was written with, or start a new run") from None
+
+
+def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
+    """Where a checkpoint continues, counted from 1 as the progress lines count."""
+    if epoch >= epochs:
+        return "the run was already complete"
+    if batch >= batches:
+        return f"epoch {epoch + 1}/{epochs} trained, its evaluation next"
+    return f"epoch {epoch + 1}/{epochs} at batch {batch + 1}/{batches}"
+
+
+def check_out_dir(out_dir: Path, resuming: bool) -> None:
+    """Before any data is loaded: --out-dir can be written, and a new run holds no unfinished run."""
+    check_writable_dir(out_dir)
+    if not resuming:
+        refuse_unfinished_run(out_dir / "last.pt")
+
+
+def refuse_unfinished_run(path: Path) -> None:
+    """A new run must not replace the last.pt of an unfinished run, which --resume would continue."""
+    if not path.is_file():
+        return
+    try:
+        saved = load_checkpoint(path)
+    except UserError:
+        return  # unreadable, so there is nothing to continue
+    if saved.get("step", 0) < saved.get("total_steps", 0):
+        raise UserError(f"{path} holds an unfinished run (step {saved['step']} of {saved['total_steps']}); "
+                        "continue it with --resume, or pick another --out-dir, or delete the file to start "
+                        "over")
+
+
+def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About the size of last.pt: the weights plus the optimizer's copies of them (SGD's momentum,
+    Adam's two moments), counted from its defaults before it has any state."""
+    weights = sum(t.nbytes for t in model.state_dict().values())
+    defaults = optimizer.defaults
+    copies = 2 if "betas" in defaults else int(bool(defaults.get("momentum", 0)))
+    return weights * (1 + copies)

@@ -1,0 +1,192 @@
+"""Where the run's processes work and how they agree: the device, torchrun's process group
+and its collectives, and the signals that stop a run.
+
+Under torchrun every process runs train.py; rank 0 alone prints, logs and saves, and decisions
+that only rank 0 can make (its files, a signal it received) reach the others by a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from configs import UserError
+
+# ---------------------------------------------------------------- the device
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """cuda > mps > cpu unless forced; under torchrun each process takes its LOCAL_RANK's GPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            name = "mps"
+        else:
+            name = "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda" and device.index is not None and world_size > 1:
+        raise UserError(f"--device {name} would put all {world_size} torchrun processes on one GPU; "
+                        "use --device cuda (each process takes its LOCAL_RANK's GPU)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    return device
+
+
+
+# ---------------------------------------------------------------- torchrun
+
+
+def setup(device_name: str) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun: one process per GPU (nccl), or gloo on CPU."""
+    if "RANK" not in os.environ:
+        return 0, 1, pick_device(device_name)
+    device = pick_device(device_name)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any, so that all of them stop at the same step."""
+    if not is_distributed():
+        return flag
+    return all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0
+
+
+def from_rank0(value):
+    """Rank 0's value on every rank, for decisions only rank 0 can make (its files, say)."""
+    if not is_distributed():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def on_rank0(work: Callable, *args) -> None:
+    """`work(*args)` on rank 0 alone (a check of its files, a write), its UserError raised on every
+    rank: rank 0 decides, and one broadcast makes all ranks go on, or stop, together."""
+    problem = None
+    if not is_distributed():
+        work(*args)
+    elif dist.get_rank() == 0:
+        try:
+            work(*args)
+        except UserError as err:
+            problem = str(err)
+    problem = from_rank0(problem)  # on every rank: the ranks that did not run `work` wait here
+    if problem:
+        raise UserError(problem)
+
+
+def sync_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank.
+
+    DDP broadcasts buffers at the start of each forward, so after the last one every rank holds
+    statistics updated by its own shard; syncing before evaluation and saving removes that skew.
+    """
+    if is_distributed():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def ranks_agree(module: nn.Module) -> bool:
+    """True when every rank holds bit-identical parameters and buffers (a DDP sanity check)."""
+    if not is_distributed():
+        return True
+    flat = torch.cat([t.detach().reshape(-1).double() for t in module.state_dict().values()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([float(torch.equal(flat, reference))], device=flat.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def cleanup() -> None:
+    """Leave the process group, then pause a moment before the process exits. Gloo's worker threads
+    let go of a finished collective's tensors just after the caller's wait returns, and need the GIL
+    to free one that Python created; a process that is already exiting then aborts with "terminate
+    called without an active exception" (seen at exit of torchrun runs, error paths included)."""
+    if is_distributed():
+        dist.destroy_process_group()
+        time.sleep(0.1)  # the GIL is free: the worker threads finish
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP's `.module` and torch.compile's `._orig_mod` wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+# ---------------------------------------------------------------- signals
+
+
+class StopFlag:
+    """SIGINT/SIGTERM only set a flag; the loop saves a checkpoint after the step, then stops."""
+
+    def __init__(self):
+        self.signal = 0
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._set)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _set(self, signum, frame):
+        if self.signal:  # a second Ctrl-C means now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def now(self, log_point: bool, device: torch.device) -> bool:
+        """Stop after this step? Alone: as soon as a signal came. Under torchrun every rank must stop
+        at the same step (one that left would hang the others in DDP's next all-reduce), so they
+        agree by an all-reduce, at log points only, where the loop reads the device anyway."""
+        if not is_distributed():
+            return bool(self.signal)
+        return log_point and any_rank(bool(self.signal), device)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signal or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM

@@ -1,0 +1,279 @@
+"""What a run shows and leaves behind for people: TensorBoard, summary.json and eval.json, and the
+pictures in both (drawn with PIL, about 10 ms each, so they can be drawn at every evaluation).
+
+What is shown comes from the task (task.py: its metrics and its pictures); this module only
+writes it, on rank 0, and turns a failed write into one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoints import reporting_write_errors, write_bytes_atomic, write_json_atomic
+from configs import Config
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+class TensorBoard:
+    """Rank 0's TensorBoard writer for a train.py run (with active False, on the other ranks, every
+    call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
+    out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's)."""
+
+    def __init__(self, out_dir: Path, resumed_step: int | None, active: bool = True):
+        self.out_dir, self.writer, self.moved = out_dir, None, None  # moved: an earlier run's logs
+        if active:
+            quiet_tensorboard_thread()
+            with self._errors():
+                self.writer, self.moved = summary_writer(out_dir, resumed_step)
+
+    def _errors(self):
+        return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
+
+    def __enter__(self) -> TensorBoard:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is not None and self.writer:
+            with contextlib.suppress(OSError):
+                self.writer.close()
+
+    def scalars(self, curves: dict[str, list[tuple[int, float]]]) -> None:
+        """(step, value) points by tag: the loop gathers them, and writes them at log points."""
+        if self.writer:
+            with self._errors():
+                for tag, points in curves.items():
+                    for step, value in points:
+                        self.writer.add_scalar(tag, value, step)
+
+    def images(self, pictures: dict, step: int) -> None:
+        """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
+        if self.writer:
+            with self._errors():
+                for tag, picture in pictures.items():
+                    if picture is not None:
+                        self.writer.add_image(tag, picture, step, dataformats="HWC")
+
+    def finish(self, hparams: dict, metrics: list[str]) -> None:
+        """The HPARAMS tab's row for this run, then flush and close. Its metric columns are the run's
+        own scalar curves (their last values), so no one-point charts appear as add_hparams() makes."""
+        if not self.writer:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        with self._errors():
+            for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.flush()  # raises what the writer thread met; close() would drop it
+            self.writer.close()
+
+
+def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
+    """TensorBoard's writer for a train.py run in out_dir (one run, one set of curves), and the
+    folder an earlier run's logs were moved to, or None.
+
+    A new run first moves an earlier run's event files into a subfolder named after that run's
+    start, so the two do not draw over each other. A resumed run tells TensorBoard to drop what
+    the interrupted process logged after its checkpoint (purge_step), which it logs again.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    if resumed_step is not None:
+        return SummaryWriter(str(out_dir), purge_step=resumed_step + 1), None
+    earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # events.out.tfevents.<unix time>.<host>...
+    if not earlier:
+        return SummaryWriter(str(out_dir)), None
+    stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
+    started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
+    if (out_dir / "hparams").is_dir():  # where add_hparams() put HPARAMS data before
+        earlier.append(out_dir / "hparams")
+    folder, n = out_dir / started, 1
+    while folder.exists():
+        n += 1
+        folder = out_dir / f"{started}-{n}"
+    folder.mkdir()
+    for path in earlier:
+        path.rename(folder / path.name)
+    return SummaryWriter(str(out_dir)), folder
+
+
+def quiet_tensorboard_thread() -> None:
+    """Keep Python from printing a traceback when TensorBoard's writer thread dies of an OSError.
+
+    That thread keeps its error and raises it again at the next write or flush, in the main
+    thread, where reporting_write_errors makes it one line. Other threads report as before.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook.quiet_tensorboard = True
+    threading.excepthook = hook
+
+
+# ---------------------------------------------------------------- summary.json and eval.json
+
+SECONDS_COVER = ("seconds: this process's training loop, evaluation and checkpoints included, start-up "
+                 "not; total_seconds: the same over every part of the run")
+RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's time up to the checkpoint "
+                 "the next part resumed from (time after a part's last save was lost)")
+
+
+def run_summary(task, val, run, *, lr: float, epochs: int, epoch_rates: list[float], world_size: int,
+                device: torch.device, in_sync: bool) -> dict:
+    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran) and the best
+    main metric, then how the run went (`run`: train.py's Run, as it ended)."""
+    steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+    metrics = {f"val_{name}": val.metrics[name] if val else math.nan for name in task.METRICS}
+    seconds, seconds_before, part = time.perf_counter() - run.started, run.seconds_before, run.part
+    best = math.nan if run.best is None else run.best
+    return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": epochs, "steps": run.step,
+            "seconds": seconds, "total_seconds": seconds_before + seconds, "parts": part,
+            "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
+            "images_per_second": sum(steady) / len(steady) if steady else math.nan,
+            "lr": lr, "world_size": world_size, "device": str(device), "ranks_in_sync": in_sync,
+            **(val.details if val else {})}
+
+
+def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tensorboard: TensorBoard) -> None:
+    """A run's last words, on rank 0: TensorBoard's HPARAMS row, the task's saved pictures (such as
+    confusion.png), summary.json, and one line."""
+    out_dir, main = Path(cfg.out_dir), task.MAIN_METRIC
+    pictures = task.pictures(val, names, None) if val else {}
+    hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
+    tensorboard.finish({**hparams, "lr": summary["lr"]}, [f"val/{name}" for name in task.METRICS])
+    for name in task.SAVED_PICTURES:
+        if pictures.get(name) is not None:
+            write_png_atomic(out_dir / f"{name}.png", pictures[name])
+    write_json_atomic(out_dir / "summary.json", summary)
+    total, parts = summary["total_seconds"], summary["parts"]
+    print(f"done: val {main} {task.show(main, summary[f'val_{main}'])} (best "
+          f"{task.show(main, summary[f'best_val_{main}'])}) in {summary['seconds']:.1f}s"
+          f"{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}; logs and checkpoints in {out_dir}")
+
+
+def report_evaluation(task, val, pictures: dict, *, val_size: int, checkpoint: Path, step: int | None,
+                      dataset: str, out_dir: Path, is_main: bool) -> dict:
+    """--evaluate's report: printed, and written as eval.json and eval_<picture>.png (rank 0)."""
+    report = {"checkpoint": str(checkpoint), "step": step, "dataset": dataset, "val_size": val_size,
+              **{f"val_{name}": val.metrics[name] for name in task.METRICS}, **val.details}
+    if is_main:
+        print(f"{checkpoint} on the {val_size} {dataset} validation examples: {task.describe(val)}")
+        for line in task.report(val):
+            print(f"  {line}")
+        write_json_atomic(out_dir / "eval.json", report)
+        wrote = [out_dir / "eval.json"]
+        for name in task.SAVED_PICTURES:
+            if pictures.get(name) is not None:
+                write_png_atomic(out_dir / f"eval_{name}.png", pictures[name])
+                wrote.append(out_dir / f"eval_{name}.png")
+        print(f"wrote {' and '.join(map(str, wrote))}")
+    return report
+
+
+# ---------------------------------------------------------------- pictures
+
+
+def write_png_atomic(path: str | Path, picture) -> None:
+    """A picture (H, W, 3 uint8 array) written whole or not at all, one line on failure."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format="PNG")
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
+    """Images (N, C, H, W, values in [0, 1]) side by side, each with its caption underneath.
+
+    Small images are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to
+    tiles of 64-160 px; one channel is shown as gray, other channel counts by their first.
+    """
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    pixels = pixels.float()
+    side = max(pixels.shape[-2:])
+    if side < 64:
+        pixels = torch.nn.functional.interpolate(pixels, scale_factor=-(-64 // side), mode="nearest")
+    elif side > 160:
+        size = [round(d * 160 / side) for d in pixels.shape[-2:]]
+        pixels = torch.nn.functional.interpolate(pixels, size=size, mode="bilinear", antialias=True)
+    pixels = pixels[:, :3] if pixels.shape[1] == 3 else pixels[:, :1].expand(-1, 3, -1, -1)
+    tiles = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    n, h, w = tiles.shape[:3]
+    font, gap, text = _font(11), 4, 14
+    columns = min(columns, n)
+    rows = -(-n // columns)
+    canvas = Image.new("RGB", (columns * (w + gap) + gap, rows * (h + text + gap) + gap), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i in range(n):
+        x, y = gap + (i % columns) * (w + gap), gap + (i // columns) * (h + text + gap)
+        canvas.paste(Image.fromarray(tiles[i]), (x, y))
+        draw.text((x, y + h + 1), _fitted(captions[i], w, font), fill="black", font=font)
+    return np.asarray(canvas)
+
+
+def confusion_picture(confusion: list[list[int]], names: list[str]):
+    """Rows: true class; columns: predicted class; each row normalized to sum to 100%."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    n = len(confusion)
+    cell = max(4, min(32, 640 // n))
+    font = _font(10 if cell >= 12 else max(cell - 1, 6))
+    labels = [_fitted(name, 110, font) for name in names] if cell >= 8 else [""] * n
+    margin = 8 + max([int(font.getlength(label)) for label in labels] + [0])
+    head = 22
+    width, height = margin + n * cell + 8, head + margin + n * cell + 8
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 4), "rows: true class, columns: predicted, % of each row", fill="black", font=_font(11))
+    top = Image.new("RGB", (margin, n * cell), "white")  # column labels, drawn across, then turned
+    top_draw = ImageDraw.Draw(top)
+    for i, (row, label) in enumerate(zip(confusion, labels, strict=True)):
+        y = head + margin + i * cell
+        draw.text((margin - 4, y + cell / 2), label, fill="black", font=font, anchor="rm")
+        top_draw.text((4, i * cell + cell / 2), label, fill="black", font=font, anchor="lm")
+        total = sum(row)
+        for j, count in enumerate(row):
+            share = count / total if total else 0.0
+            color = tuple(round(255 - share * (255 - c)) for c in (8, 48, 107))  # white to dark blue
+            x = margin + j * cell
+            draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill=color,
+                           outline=(225, 225, 225) if cell >= 12 else None)
+            if cell >= 24 and count:
+                draw.text((x + cell / 2, y + cell / 2), str(round(100 * share)), font=font, anchor="mm",
+                          fill="white" if share > 0.5 else "black")
+    canvas.paste(top.rotate(90, expand=True), (margin, head))
+    return np.asarray(canvas)
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # a scalable font (Pillow >= 10.1 with FreeType)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _fitted(text: str, width: int, font) -> str:
+    """`text`, shortened with '..' until it fits `width` pixels."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "..") > width:
+        text = text[:-1]
+    return text + ".."
