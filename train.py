@@ -87,8 +87,6 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches)
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
-    save = functools.partial(save_checkpoint, cfg=cfg, lr=lr, task=task, model=model, optimizer=optimizer,
-                             scheduler=scheduler, scaler=scaler, total_steps=total_steps, is_main=is_main)
 
     # Resume: every state as it was saved, and where the run stood.
     run = resume(ckpt, path, cfg, model, optimizer, scheduler, scaler, batches, say) if ckpt else Run()
@@ -104,6 +102,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     if is_main:
         checkpoints.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
+    save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
+                             optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps)
     announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard.moved, say)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
@@ -184,16 +184,19 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     return summary
 
 
-def save_checkpoint(run: Run, name: str, *, cfg: Config, lr: float, task, model, optimizer, scheduler,
-                    scaler, total_steps: int, is_main: bool) -> None:
+def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: Config, lr: float, task,
+                    model, optimizer, scheduler, scaler, total_steps: int) -> None:
     """A checkpoint that continues where `run` stands: the states a run continues from bit for bit
-    (every RNG's included), where it stood, and its config. Never one of nan or inf weights."""
+    (every RNG's included), where it stood, and its config. Never one of nan or inf weights. The
+    rates kept since the last log point go to TensorBoard first: its log holds every step saved."""
     path = Path(cfg.out_dir) / name
     if not checkpoints.all_finite(model.state_dict().values()):
         raise diverged("the weights hold nan or inf", optimizer, lr, run, path.parent)
+    tensorboard.scalars({"train/lr": run.rates})
+    run.rates = []
     if run.start_loss is None and run.first_loss is not None:  # saving reads the device anyway
         run.start_loss = run.first_loss.item()
-    if is_main:
+    if distributed.rank() == 0:  # the others hold the same states
         checkpoints.save_checkpoint({
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -385,7 +388,7 @@ def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.
     """
     found = problem = None
     world_size = distributed.world_size()
-    if world_size == 1 or torch.distributed.get_rank() == 0:
+    if distributed.rank() == 0:
         try:
             optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
             result, wrote, why = lr_find.sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler,

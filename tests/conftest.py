@@ -1,5 +1,6 @@
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,42 @@ def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture
 def script():
     return run_script
+
+
+FORKS = ROOT / "tests" / "forks"
+
+
+def make_fork(folder: Path, task: str | None = None, data: tuple[str, ...] = (),
+              model: tuple[str, ...] = ()) -> Path:
+    """A copy of the template edited as a fork would be: task.py replaced by tests/forks/TASK.py, each
+    forks/DATA.py dataset entry added at the end of data.py, each forks/MODEL.py model entry added to
+    models.py with its line in MODELS. Nothing else changes."""
+    project = Path(folder) / "fork"
+    skip = shutil.ignore_patterns(".*", "runs", "data", "tests", "docs", "bench", "__pycache__", "mutants")
+    shutil.copytree(ROOT, project, ignore=skip)
+    if task:
+        shutil.copy(FORKS / f"{task}.py", project / "task.py")
+    for name in data:
+        with open(project / "data.py", "a") as f:
+            f.write("\n\n" + (FORKS / f"{name}.py").read_text())
+    for name in model:
+        snippet = (FORKS / f"{name}.py").read_text()
+        cls = snippet.split("class ", 1)[1].split("(", 1)[0]
+        with open(project / "models.py", "a") as f:
+            f.write(f"\n\n{snippet}\n\nMODELS[{cls.lower()!r}] = {cls}\n")
+    return project
+
+
+def add_entries(monkeypatch, *names: str) -> None:
+    """In this process, the dataset and model entries of tests/forks/NAME.py, as make_fork adds them
+    to a copy (each runs in its module's names), undone when the test ends."""
+
+    for name in names:
+        module = models if name.endswith("_model") else data
+        scope = {**vars(module), "DATASETS": {}, "MODELS": {}}
+        exec((FORKS / f"{name}.py").read_text(), scope)
+        for key, value in scope["DATASETS"].items():
+            monkeypatch.setitem(data.DATASETS, key, value)
+        for key, value in scope.items():
+            if isinstance(value, type) and issubclass(value, models.nn.Module) and key not in vars(models):
+                monkeypatch.setitem(models.MODELS, key.lower(), value)

@@ -1,0 +1,76 @@
+"""A regression fork's task.py: MSE loss, mean absolute error as the main metric (lower is better).
+
+The fork tests copy this file over task.py in a copy of the template; the machinery tests import it
+directly and pass it to train.train. Its data is forks/regression_data.py, a dataset entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from logs import image_grid
+
+NAME = "regression"
+METRICS = ("loss", "mae")
+MAIN_METRIC, HIGHER_IS_BETTER = "mae", False
+SAVED_PICTURES = ()
+
+
+def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
+    return F.mse_loss(outputs.float(), targets)
+
+
+def show(name: str, value: float) -> str:
+    return f"{value:.4f}"
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    details: dict = field(default_factory=dict)
+
+
+class Tally:
+    """Squared and absolute error sums and the count, on the device until result()."""
+
+    def __init__(self, cfg, names: list[str], device: torch.device):
+        self.cfg, self.names = cfg, names
+        self.sums = torch.zeros(3 + len(names), device=device)  # squared, absolute, count, then per output
+
+    def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
+        error = outputs.float() - targets
+        self.sums[0] += error.pow(2).mean(1).sum()
+        self.sums[1] += error.abs().mean(1).sum()
+        self.sums[2] += len(targets)
+        self.sums[3:] += error.abs().sum(0)
+
+    def result(self, reduce=lambda sums: sums) -> Evaluation:
+        squared, absolute, count, *per_output = reduce(self.sums).tolist()
+        each = {name: value / count for name, value in zip(self.names, per_output, strict=True)}
+        return Evaluation({"loss": squared / count, "mae": absolute / count}, {"mae_per_output": each})
+
+
+def describe(val: Evaluation) -> str:
+    return "  ".join(f"val {name} {show(name, val.metrics[name])}" for name in METRICS)
+
+
+def report(val: Evaluation) -> list[str]:
+    return [f"{name:>12}  mae {value:.4f}" for name, value in val.details["mae_per_output"].items()]
+
+
+def input_picture(inputs, targets, names, pixels):
+    if pixels is None:
+        return None
+    captions = [" ".join(f"{v:.2f}" for v in row) for row in targets[:16].tolist()]
+    return image_grid(pixels(inputs[:16]).cpu(), captions)
+
+
+def pictures(val: Evaluation, names, pixels) -> dict:
+    return {}
+
+
+def pictures_note(images: bool) -> str | None:
+    return None if images else "the inputs are not images: no input pictures"

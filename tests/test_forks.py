@@ -1,0 +1,91 @@
+"""Forks, as users make them: the template copied, task.py replaced (multi-label: BCE + F1; regression:
+MSE + MAE) and a dataset entry added to data.py, or a dataset and a model entry for 1-D signals.
+Nothing else is edited, and every command works: lr_find.py, --lr auto, --lr find, Ctrl-C's
+SIGTERM and --resume to the same weights, --evaluate, TensorBoard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import make_fork, read_scalars
+from test_resume import assert_same_state, final_state
+
+FORKS = {  # task file, dataset entry, flags, the main metric and a value it must beat
+    "regression": ("regression", "regression_data",
+                   ["--dataset", "square_positions", "--synthetic-size", "128"], "mae", lambda v: v < 0.2),
+    "multilabel": ("multilabel", "multilabel_data", ["--dataset", "digit_facts"], "f1", lambda v: v > 0.6),
+}
+SMALL = ["--width", "8", "--batch-size", "32", "--device", "cpu", "--num-workers", "0", "--find-iters", "20"]
+
+
+def run(project, *args, timeout=240):
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=project, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def interrupted(project, *args) -> str:
+    """train.py stopped by SIGTERM soon after its first save, as a scheduler's stop would."""
+    out_dir = project / args[args.index("--out-dir") + 1]
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, args)], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out_dir / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("name", FORKS)
+def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
+    task, dataset, flags, metric, good = FORKS[name]
+    project = make_fork(tmp_path, task, data=(dataset,))
+    argv = [*flags, *SMALL, "--epochs", "12", "--save-every", "2"]
+
+    # python lr_find.py, then --lr auto, stopped by SIGTERM and resumed
+    swept = run(project, "lr_find.py", *argv, "--out-dir", "a")
+    assert "suggested lr" in swept
+    record = json.loads((project / "a" / "lr_find.json").read_text())
+    assert record["config"]["task"]["name"] == name
+    assert "interrupted at step" in interrupted(project, *argv, "--lr", "auto", "--out-dir", "a")
+    resumed = run(project, "train.py", "--resume", "--out-dir", "a")
+    assert "resumed from" in resumed
+    summary = json.loads((project / "a" / "summary.json").read_text())
+    assert summary["lr"] == record["suggestion"] and good(summary[f"best_val_{metric}"]), summary
+
+    # --lr find in one process ends with the same weights as the sweep, the stop and the resume
+    found = run(project, "train.py", *argv, "--lr", "find", "--out-dir", "b")
+    assert "lr find:" in found
+    assert json.loads((project / "b" / "summary.json").read_text())["lr"] == summary["lr"]
+    assert_same_state(final_state(project / "a" / "last.pt"), final_state(project / "b" / "last.pt"))
+
+    # --evaluate best.pt gives the best val metric; TensorBoard has the task's curves, each step once
+    run(project, "train.py", "--evaluate", "a/best.pt")
+    report = json.loads((project / "a" / "eval.json").read_text())
+    assert report[f"val_{metric}"] == pytest.approx(summary[f"best_val_{metric}"])
+    scalars = read_scalars(project / "a")
+    assert {"train/loss", "train/lr", "val/loss", f"val/{metric}"} <= scalars.keys()
+    assert [step for step, _ in scalars["train/lr"]] == list(range(1, summary["steps"] + 1))
+
+
+def test_a_signal_fork_adds_a_dataset_and_a_model(tmp_path):
+    """[N, 1, 256] float signals with a 1-D CNN: the default task, the image steps left out."""
+    project = make_fork(tmp_path, data=("signals_data",), model=("signals_model",))
+    argv = ["--dataset", "waves", "--synthetic-size", "512", "--model", "conv1dnet", *SMALL, "--epochs", "4",
+            "--channels-last", "--out-dir", "run"]
+    assert "suggested lr" in run(project, "lr_find.py", *argv)
+    out = run(project, "train.py", *argv, "--lr", "auto")
+    assert "inputs 1x256, 4 outputs" in out and "not uint8 images: no crop, flip" in out
+    assert "no input or wrong-input pictures" in out
+    summary = json.loads((project / "run" / "summary.json").read_text())
+    assert summary["best_val_acc"] > 0.5  # four classes: chance is 0.25
+    assert list(summary["per_class_acc"]) == ["2 Hz", "5 Hz", "8 Hz", "11 Hz"]
+    assert torch.load(project / "run" / "best.pt", weights_only=True)["task"] == "classification"
