@@ -1,11 +1,9 @@
-"""Datasets by name, served as batches of (inputs, targets) on the training device.
+"""Datasets by name (DATASETS), served as batches of (inputs, targets) on the training device.
 
-DATASETS is the one list of names: each entry takes the config and returns a Source, tensors in
-memory or a torch Dataset of files. Inputs may be any [N, ...] tensor, uint8 or float, and targets
-whatever the task's loss takes. uint8 [N, C, H, W] inputs are images, and only images get the
-image steps: crop and flip, normalization from 0..255, channels_last, resizing to what a model
-needs. Small data lives on the device and is augmented there in whole batches (airbench-style);
-files go through a DataLoader with workers, then get the same batched device-side treatment.
+Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8
+[N, C, H, W] inputs are images, and only images get the image steps: crop and flip, normalization
+from 0..255, channels_last, resizing to a model's size. Data that fits lives on the device and is
+augmented there in whole batches (airbench-style); files go through DataLoader workers first.
 Each epoch's order and augmentation come from a generator seeded by (seed, epoch), so a resumed
 run or a DDP rank sees exactly the batches it would have seen.
 """
@@ -36,7 +34,7 @@ DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at 
 @dataclass
 class Source:
     """What a dataset entry returns: each split as (inputs [N, ...], targets [N, ...]) tensors, or as
-    a torch Dataset of (input, target) pairs that DataLoader workers read."""
+    a torch Dataset of (input, target) pairs for DataLoader workers."""
 
     train: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
     val: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
@@ -56,10 +54,9 @@ def digits(cfg: Config) -> Source:
     bunch = load_digits()
     images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
     labels = torch.from_numpy(bunch.target).long()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797))
-    val, train = order[:360], order[360:]
-    return Source((images[train], labels[train]), (images[val], labels[val]),
-                  [str(d) for d in range(10)], pad=1)
+    val, train = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797)).split([360, 1437])
+    return Source((images[train], labels[train]), (images[val], labels[val]), [str(d) for d in range(10)],
+                  pad=1)
 
 
 def synthetic(cfg: Config) -> Source:
@@ -74,30 +71,26 @@ def synthetic(cfg: Config) -> Source:
         noise = torch.randn(n, cfg.channels, size, size, generator=g) * 0.25
         return ((templates[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8), labels
 
-    train = draw(cfg.synthetic_size)
-    val = draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
+    train, val = draw(cfg.synthetic_size), draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
     return Source(train, val, [str(i) for i in range(cfg.num_classes)])
 
 
 def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = False) -> Source:
-    """A torchvision dataset, downloaded into --data-dir the first time."""
+    """A torchvision dataset, downloaded into --data-dir the first time. Under torchrun rank 0 alone
+    downloads while the others wait at a barrier: several writers would corrupt the archive."""
     import torchvision
 
-    cls = getattr(torchvision.datasets, class_name)
-    root = Path(cfg.data_dir)
-    # Under torchrun, rank 0 alone downloads while the others wait at a barrier: several
-    # processes writing the same archive at once would corrupt it.
+    cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir)
     distributed = dist.is_available() and dist.is_initialized()
     downloader = not distributed or dist.get_rank() == 0
     if not downloader:
         dist.barrier()
     try:
         splits = [cls(str(root), train=t, download=False) for t in (True, False)]
-    except RuntimeError:
-        # Folders a failed download would leave empty behind it, deepest first.
+    except RuntimeError:  # not there: download, or remove the folders a failed download made
         absolute = root.absolute()
         created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
-                               *absolute.parents) if not d.exists()]
+                               *absolute.parents) if not d.exists()]  # deepest first
         try:
             if not downloader:
                 raise RuntimeError("rank 0 could not download it") from None
@@ -113,11 +106,9 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     finally:
         if downloader and distributed:
             dist.barrier()
-    tensors = []
-    for ds in splits:
-        images = torch.as_tensor(ds.data)
-        images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
-        tensors.append((images.contiguous(), torch.as_tensor(ds.targets).long()))
+    tensors = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]
+    tensors = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)  # to [N, C, H, W]
+               for x, y in tensors]
     return Source(*tensors, list(splits[0].classes), pad=pad, flip=flip)
 
 
@@ -146,21 +137,19 @@ def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
     root = Path(cfg.data_dir)
-    rows = _csv_rows(root, "train.csv")
+    train = _csv_rows(root, "train.csv")
     if (root / "val.csv").is_file():
-        train, val = rows, _csv_rows(root, "val.csv")
+        val = _csv_rows(root, "val.csv")
     else:  # the split's own seed: the same val images whatever --seed says
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
-        cut = max(1, round(cfg.val_fraction * len(rows)))
-        if cut >= len(rows):
-            raise UserError(f"csv: {root / 'train.csv'} has {len(rows)} rows, too few to split off a "
-                            f"--val-fraction of {cfg.val_fraction}; add rows or a val.csv")
-        train, val = [rows[i] for i in sorted(order[cut:])], [rows[i] for i in sorted(order[:cut])]
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
+        held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
+        if len(held) == len(train):
+            raise UserError(f"csv: {len(train)} rows are too few to hold out a --val-fraction of "
+                            f"{cfg.val_fraction}")
+        train, val = ([r for i, r in enumerate(train) if (i in held) == keep] for keep in (False, True))
     names = sorted({label for _, label in train})
-    unknown = sorted({label for _, label in val} - set(names))
-    if unknown:
-        raise UserError(f"csv: val labels {unknown[:5]} never occur in the training rows; every class "
-                        "needs training examples")
+    if unknown := sorted({label for _, label in val} - set(names)):
+        raise UserError(f"csv: val labels {unknown[:5]} are in no training row; each class needs some")
     index = {name: i for i, name in enumerate(names)}
     transform, loader = _file_reading(cfg)
     train, val = (_Files([(file, index[label]) for file, label in split], transform, loader)
@@ -219,11 +208,9 @@ class ImageSteps:
 
 def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, flip: bool = False,
                rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's example order, crop offsets and flip flags for one epoch (CPU tensors).
-
-    Everything is drawn for the whole dataset from one (seed, epoch) generator and then sharded,
-    so results depend on neither the device nor where in the epoch a resumed run starts.
-    """
+    """This rank's example order, crop offsets and flip flags for one epoch (CPU tensors), drawn for
+    the whole dataset from one (seed, epoch) generator and then sharded: the same on any device, and
+    wherever in the epoch a resumed run starts."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if shuffle:
         order = torch.randperm(n, generator=g)
@@ -238,13 +225,10 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
 
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int) -> torch.Tensor:
-    """Random crop after zero padding, then horizontal flip, for a whole uint8 batch at once.
-
-    One gather does both: each output pixel's flat index into its padded image, with flipped
-    images reading their columns backwards. About 5x faster on CPU than 4-D fancy indexing.
-    Nothing here reads from the device (that would sync every batch), so the caller, who knows
-    whether there is a pad or any flipping, skips the call when there is neither.
-    """
+    """Random crop after zero padding, then horizontal flip, for a whole uint8 batch at once: one
+    gather of each output pixel's flat index into its padded image (flipped images read their columns
+    backwards), about 5x faster on CPU than 4-D fancy indexing. It reads nothing from the device, so
+    the caller, who knows whether there is a pad or a flip, skips it when there is neither."""
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
     padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
@@ -271,12 +255,12 @@ class Batches:
         self.source, self.labels, self.image = source, labels, image
         self.on_device = isinstance(source, torch.Tensor)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
-        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
-        self._loader = None
+        self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
+        self.pixels = None  # what pictures show of a batch: its images, back in [0, 1]
         if image is not None:
             self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
             self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
-        self.pixels = self.denormalize if image is not None else None  # what pictures show
+            self.pixels = self.denormalize
 
     @property
     def num_examples(self) -> int:
@@ -318,13 +302,10 @@ class Batches:
             yield self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
-        """One DataLoader for all epochs: its workers start once, not at every epoch and evaluation.
-
-        Its sampler's indices are swapped before each pass, so one pass at a time per Batches.
-        It has a generator of its own: each pass would otherwise draw its workers' seed from the
-        global RNG, which dropout also draws from, and a resumed run (or one after --lr find)
-        would start its passes at other points of that stream than an uninterrupted one.
-        """
+        """One DataLoader for all epochs, so its workers start once; its sampler's indices are swapped
+        before each pass (one pass at a time). Its own generator keeps each pass from drawing its
+        workers' seed from the global RNG, which dropout draws from too: a resumed run (or one after
+        --lr find) would otherwise start its passes at other points of that stream."""
         if self._loader is None:
             self._sampler = _Indices()
             self._loader = torch.utils.data.DataLoader(
@@ -339,8 +320,7 @@ class Batches:
         memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
         x = images.to(dtype=torch.float32, memory_format=memory)
         if self.image.resize:
-            size = (self.image.resize, self.image.resize)
-            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+            x = F.interpolate(x, size=(self.image.resize,) * 2, mode="bilinear")
             x = x.contiguous(memory_format=memory)
         return x.mul_(self.scale).sub_(self.shift)
 
@@ -352,8 +332,7 @@ class Batches:
 class _Indices(torch.utils.data.Sampler):
     """The sampler of a DataLoader that lives across epochs: each epoch sets its own order."""
 
-    def __init__(self):
-        self.indices: list[int] = []
+    indices: list[int] = []
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
@@ -399,21 +378,16 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     else:
         notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
                      "normalization or channels_last")
-    if files:
-        mode = "dataloader"
-        if cfg.loader == "device":
-            raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
-        sources = ((source.train, None), (source.val, None))
+    splits, mode = (source.train, source.val), cfg.loader
+    if files and mode == "device":
+        raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
+    if mode == "auto":
+        fits = not files and _fits_on(device, sum(t.nbytes for split in splits for t in split))
+        mode = "device" if fits else "dataloader"
+    if mode == "device":
+        sources = [[t.to(device) for t in split] for split in splits]
     else:
-        mode = cfg.loader
-        if mode == "auto":
-            nbytes = sum(t.nbytes for split in (source.train, source.val) for t in split)
-            mode = "device" if _fits_on(device, nbytes) else "dataloader"
-        if mode == "device":
-            sources = tuple(tuple(t.to(device) for t in split) for split in (source.train, source.val))
-        else:
-            sources = tuple((torch.utils.data.TensorDataset(*split), None)
-                            for split in (source.train, source.val))
+        sources = [(split if files else torch.utils.data.TensorDataset(*split), None) for split in splits]
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
                   num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size)
     train_batches = Batches(*sources[0], train=True, **common)
@@ -423,9 +397,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
                         f"set ({train_batches.num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
-    input_shape = (shape[0], resize, resize) if resize else shape
-    info = DataInfo(input_shape, list(source.names), train_batches.num_examples, val_batches.num_examples,
-                    loader, images, notes)
+    info = DataInfo((shape[0], resize, resize) if resize else shape, list(source.names),
+                    train_batches.num_examples, val_batches.num_examples, loader, images, notes)
     return train_batches, val_batches, info
 
 
@@ -433,11 +406,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
 
 
 class UnreadableImage(UserError):
-    """An image file that cannot be decoded; the message names the file and its class folder.
-
-    A DataLoader worker's exception reaches the main process as its type called with the whole
-    worker traceback as text; keeping only the traceback's last line (ours) keeps one line.
-    """
+    """An image file that cannot be decoded; the message names the file and its class folder. From a
+    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
 
     def __init__(self, message: str):
         if "Original Traceback" in message:
@@ -446,8 +416,8 @@ class UnreadableImage(UserError):
 
 
 def read_image(path: str, mode: str = "RGB"):
-    """torchvision's PIL loader, failing with one line that says which file and class it was.
-    `mode` is PIL's: "RGB", or "L" for grayscale."""
+    """torchvision's PIL loader (`mode` "RGB", or "L" for grayscale), failing in one line that says
+    which file and class it was."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -470,8 +440,7 @@ class _Files(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int):
-        path, label = self.items[i]
-        return self.transform(self.loader(str(path))), label
+        return self.transform(self.loader(str(self.items[i][0]))), self.items[i][1]
 
 
 def _file_reading(cfg: Config):
@@ -490,28 +459,17 @@ def _file_reading(cfg: Config):
 
 
 def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
-    """(file, label) rows of root/name; the columns named file and label, else the first two."""
-    path = root / name
+    """root/name's rows below its header: a file (relative to root) and its label, the first two columns."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            table = list(csv.reader(f))
-    except OSError as err:
-        raise UserError(f"csv: cannot read {path} ({err.strerror or err}); expected {root}/train.csv "
-                        "with rows of file,label") from None
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise UserError(f"csv: {path} is not a UTF-8 CSV file ({type(err).__name__})") from None
-    if len(table) < 2:
-        raise UserError(f"csv: {path} has no rows below its header; expected rows of file,label")
-    header = [h.strip().lower() for h in table[0]]
-    file_col, label_col = (header.index(c) if c in header else i for i, c in enumerate(("file", "label")))
-    rows = []
-    for number, row in enumerate(table[1:], 2):
-        if len(row) <= max(file_col, label_col) or not row[file_col].strip():
-            raise UserError(f"csv: {path} line {number} has no file and label")
-        file = root / row[file_col].strip()
-        if not file.is_file():
-            raise UserError(f"csv: {path} line {number} names {file}, which does not exist")
-        rows.append((file, row[label_col].strip()))
+        with open(root / name, newline="", encoding="utf-8") as f:
+            rows = [(root / row[0].strip(), row[1].strip()) for row in list(csv.reader(f))[1:] if row]
+    except (OSError, UnicodeDecodeError, csv.Error, IndexError) as err:
+        raise UserError(f"csv: cannot read {root / name} as UTF-8 rows of file,label under a header "
+                        f"({type(err).__name__})") from None
+    missing = next((file for file, _ in rows if not file.is_file()), None)
+    if not rows or missing:
+        what = f"names {missing}, which does not exist" if rows else "has no rows"
+        raise UserError(f"csv: {root / name} {what}")
     return rows
 
 

@@ -123,6 +123,47 @@ def quiet_tensorboard_thread() -> None:
     threading.excepthook = hook
 
 
+# ---------------------------------------------------------------- what the loop shows
+
+
+def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype, lr: float,
+             total_steps: int, tensorboard: TensorBoard, say) -> None:
+    """What this run is, said once at start-up."""
+    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
+        f"{'x'.join(map(str, info.input_shape))}, {info.num_outputs} outputs, via {info.loader}")
+    moved = tensorboard.moved and f"TensorBoard logs of an earlier run moved to {tensorboard.moved}"
+    for note in filter(None, [*info.notes, task.pictures_note(info.images), moved]):
+        say(note)
+    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
+        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
+        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
+
+
+def log_train_loss(run, tensorboard: TensorBoard, bar) -> float:
+    """A log point of train.py's `run`: the mean loss since the last one, read from the device once
+    with the run's first loss; the rates and the loss to TensorBoard and the progress bar."""
+    train_loss, first = torch.stack([torch.stack(run.losses).mean(), run.first_loss]).tolist()
+    run.start_loss = first if run.start_loss is None else run.start_loss
+    tensorboard.scalars({"train/lr": run.rates, "train/loss": [(run.step, train_loss)]})
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{run.rates[-1][1]:.3g}", refresh=False)
+    bar.update(run.batch - bar.n)
+    run.losses, run.rates = [], []
+    return train_loss
+
+
+def inputs(batch, targets, task, names: list[str], pixels, run, tensorboard: TensorBoard) -> None:
+    """A fresh run's first batch as the model receives it, once, to check the data pipeline by eye."""
+    if run.step == 0:
+        tensorboard.images({"inputs": task.input_picture(batch, targets, names, pixels)}, 0)
+
+
+def log_evaluation(val, task, names: list[str], pixels, step: int, tensorboard: TensorBoard) -> None:
+    """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
+    tensorboard.scalars({f"val/{name}": [(step, val.metrics[name])] for name in task.METRICS})
+    pictures = task.pictures(val, names, pixels)
+    tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
+
+
 # ---------------------------------------------------------------- summary.json and eval.json
 
 SECONDS_COVER = ("seconds: this process's training loop, evaluation and checkpoints included, start-up "

@@ -104,7 +104,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
     save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
                              optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps)
-    announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard.moved, say)
+    logs.announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard, say)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates = None, []
@@ -130,7 +130,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     run.losses.append(loss.detach())
                     if run.first_loss is None:  # the divergence yardstick; the inputs as the model sees them
                         run.first_loss = run.losses[0]
-                        log_inputs(inputs, targets, task, info.names, train_batches.pixels, run, tensorboard)
+                        logs.inputs(inputs, targets, task, info.names, train_batches.pixels, run, tensorboard)
 
                 # The optimizer step, and the scheduler's with it (both skipped where GradScaler
                 # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
@@ -143,7 +143,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 # loop reads the device: the mean loss, and the divergence check on it.
                 log_point = run.step % cfg.log_every == 0 or run.batch == batches
                 if log_point:
-                    why = log_train_loss(run, tensorboard, bar)
+                    why = divergence(logs.log_train_loss(run, tensorboard, bar), run.start_loss)
                     if distributed.any_rank(why is not None, device):  # all ranks stop at one step
                         raise diverged(why or "diverged on another process", optimizer, lr, run, out_dir)
 
@@ -164,7 +164,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             images = (batches - first_batch) * cfg.batch_size  # all processes'; none if resumed at its end
             epoch_rates += [images / max(time.perf_counter() - epoch_start, 1e-9)] if images else []
             val = evaluate(compiled, val_batches, task, cfg, info.names, device, amp_dtype)
-            log_evaluation(val, task, info.names, val_batches.pixels, run.step, tensorboard)
+            logs.log_evaluation(val, task, info.names, val_batches.pixels, run.step, tensorboard)
             rate = f"  ({epoch_rates[-1]:,.0f} img/s)" if images else ""
             say(f"epoch {epoch + 1}/{cfg.epochs}  step {run.step}  {task.describe(val)}{rate}")
             if not math.isfinite(val.metrics["loss"]):
@@ -244,46 +244,6 @@ def continue_command(out_dir: Path, world_size: int) -> str:
     """The command that continues this run from its last.pt."""
     return shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
         " (under torchrun, with those flags)" if world_size > 1 else "")
-
-
-def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype, lr: float, total_steps: int,
-             moved: Path | None, say) -> None:
-    """What this run is, said once at start-up."""
-    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
-        f"{'x'.join(map(str, info.input_shape))}, {info.num_outputs} outputs, via {info.loader}")
-    notes = [*info.notes, task.pictures_note(info.images),
-             moved and f"TensorBoard logs of the earlier run in {cfg.out_dir} moved to {moved}"]
-    for note in filter(None, notes):
-        say(note)
-    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
-        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
-        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
-
-
-def log_train_loss(run: Run, tensorboard: logs.TensorBoard, bar) -> str | None:
-    """A log point: the mean loss since the last one, read from the device once with the run's first
-    loss; the rates and the loss to TensorBoard. Returns why the run diverged, or None."""
-    train_loss, first = torch.stack([torch.stack(run.losses).mean(), run.first_loss]).tolist()
-    run.start_loss = first if run.start_loss is None else run.start_loss
-    tensorboard.scalars({"train/lr": run.rates, "train/loss": [(run.step, train_loss)]})
-    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{run.rates[-1][1]:.3g}", refresh=False)
-    bar.update(run.batch - bar.n)
-    run.losses, run.rates = [], []
-    return divergence(train_loss, run.start_loss)
-
-
-def log_inputs(inputs, targets, task, names: list[str], pixels, run: Run,
-               tensorboard: logs.TensorBoard) -> None:
-    """A fresh run's first batch as the model receives it, once, to check the data pipeline by eye."""
-    if run.step == 0:
-        tensorboard.images({"inputs": task.input_picture(inputs, targets, names, pixels)}, 0)
-
-
-def log_evaluation(val, task, names: list[str], pixels, step: int, tensorboard: logs.TensorBoard) -> None:
-    """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
-    tensorboard.scalars({f"val/{name}": [(step, val.metrics[name])] for name in task.METRICS})
-    pictures = task.pictures(val, names, pixels)
-    tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
