@@ -1,11 +1,10 @@
 """Datasets by name (DATASETS), served as batches of (inputs, targets) on the training device.
 
-Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8
-[N, C, H, W] inputs are images, and only images get the image steps: crop and flip, normalization
-from 0..255, channels_last, resizing to a model's size. Data that fits lives on the device and is
-augmented there in whole batches (airbench-style); files go through DataLoader workers first.
-Each epoch's order and augmentation come from a generator seeded by (seed, epoch), so a resumed
-run or a DDP rank sees exactly the batches it would have seen.
+Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. Only
+uint8 [N, C, H, W] inputs are images, which get crop and flip, normalization from 0..255,
+channels_last and resizing to a model's size, in whole batches on the device (airbench-style);
+files go through DataLoader workers first. Each epoch's order and augmentation come from a
+(seed, epoch) generator, so a resumed run or a DDP rank sees the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from configs import Config, UserError
 from models import input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
 DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
 
 
@@ -41,7 +41,7 @@ class Source:
     names: list[str]  # one per model output: the class names, for classification
     pad: int = 0  # images: zero padding before the random crop (0: no crop)
     flip: bool = False  # images: left-right flips keep the labels
-    stats: tuple | None = None  # images: per-channel (mean, std) in [0, 1]; None: the training images'
+    stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
 
 
 # ---------------------------------------------------------------- the datasets
@@ -114,23 +114,18 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
 
 def image_folder(cfg: Config) -> Source:
     """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout."""
-    from torchvision import datasets
-
-    root = Path(cfg.data_dir)
+    root, splits = Path(cfg.data_dir), ("train", "val")
     layout = f"expected {root}/train/<class>/*.png|jpg and {root}/val/<class>/*"
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise UserError(f"imagefolder: {root / split} is missing; {layout}")
-    transform, loader = _file_reading(cfg)
-    try:
-        train, val = (datasets.ImageFolder(str(root / s), transform=transform, loader=loader)
-                      for s in ("train", "val"))
-    except (FileNotFoundError, RuntimeError) as err:
-        raise UserError(f"imagefolder: {str(err).splitlines()[0]}; {layout}") from None
-    if train.classes != val.classes:
-        raise UserError(f"imagefolder: train classes {train.classes} differ from val {val.classes}")
-    return Source(train, val, train.classes, pad=max(transform.size // 8, 1), flip=True,
-                  stats=_imagenet_stats(cfg.channels))
+    if missing := [root / split for split in splits if not (root / split).is_dir()]:
+        raise UserError(f"imagefolder: {missing[0]} is missing; {layout}")
+    names, val_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
+    if names != val_names:
+        raise UserError(f"imagefolder: train classes {names} differ from val {val_names}")
+    train, val = ([(path, i) for i, name in enumerate(names) for path in sorted((root / at / name).rglob("*"))
+                   if path.suffix.lower() in IMAGE_SUFFIXES] for at in splits)
+    if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
+        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}; {layout}")
+    return _image_files(cfg, train, val, names, flip=True)
 
 
 def csv_images(cfg: Config) -> Source:
@@ -151,11 +146,8 @@ def csv_images(cfg: Config) -> Source:
     if unknown := sorted({label for _, label in val} - set(names)):
         raise UserError(f"csv: val labels {unknown[:5]} are in no training row; each class needs some")
     index = {name: i for i, name in enumerate(names)}
-    transform, loader = _file_reading(cfg)
-    train, val = (_Files([(file, index[label]) for file, label in split], transform, loader)
-                  for split in (train, val))
-    return Source(train, val, names, pad=max(transform.size // 8, 1), flip=cfg.flip,
-                  stats=_imagenet_stats(cfg.channels))
+    train, val = ([(file, index[label]) for file, label in split] for split in (train, val))
+    return _image_files(cfg, train, val, names, flip=cfg.flip)
 
 
 # The one list of dataset names: --dataset, --help, the README table and the tests read it.
@@ -177,21 +169,13 @@ configs.REGISTRIES["dataset"] = DATASETS
 
 @dataclass
 class DataInfo:
-    input_shape: tuple[int, ...]  # one example as the model receives it, e.g. (1, 8, 8) or (1, 256)
-    names: list[str]  # one per model output
+    input_shape: tuple[int, ...]  # one example as the model gets it, (1, 8, 8) or (1, 256): [0] are channels
+    names: list[str]  # one per model output: len(names) outputs
     train_size: int
     val_size: int
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
-
-    @property
-    def channels(self) -> int:
-        return self.input_shape[0]
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.names)
 
 
 @dataclass
@@ -307,13 +291,13 @@ class Batches:
         workers' seed from the global RNG, which dropout draws from too: a resumed run (or one after
         --lr find) would otherwise start its passes at other points of that stream."""
         if self._loader is None:
-            self._sampler = _Indices()
+            self._order = []  # the sampler: a list, given each pass's order in place
             self._loader = torch.utils.data.DataLoader(
-                self.source, batch_size=self.batch_size, sampler=self._sampler,
+                self.source, batch_size=self.batch_size, sampler=self._order,
                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
                 persistent_workers=self.num_workers > 0,
                 generator=torch.Generator().manual_seed(self.seed))
-        self._sampler.indices = indices
+        self._order[:] = indices
         return iter(self._loader)
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
@@ -329,18 +313,6 @@ class Batches:
         return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
 
-class _Indices(torch.utils.data.Sampler):
-    """The sampler of a DataLoader that lives across epochs: each epoch sets its own order."""
-
-    indices: list[int] = []
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
                   world_size: int = 1) -> tuple[Batches, Batches, DataInfo]:
     """Train and val batches for `cfg.dataset` on `device`, sharded for this rank."""
@@ -354,11 +326,9 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     needs, notes = input_needs(cfg.model, cfg.pretrained), []
     if not images and needs.size:
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
-                        f"{list(shape)} {sample.dtype} tensors, not uint8 images; add a model of your own "
-                        "to MODELS in models.py")
-    image, resize = None, 0
+                        f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
+    image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
-        channels, size = shape[0], shape[-1]
         if needs.size and (size != needs.size if needs.exact else size < needs.size):
             want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
             if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
@@ -367,7 +337,10 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
             resize = needs.size
             notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to "
                          f"{resize}x{resize} on the device")
-        mean, std = (torch.tensor(s) for s in source.stats) if source.stats else _stats(source.train[0])
+        if source.stats is None:  # the training images' own statistics
+            x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
+            source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
+        mean, std = source.stats
         if needs.mean:  # --pretrained: the normalization the weights were trained with
             mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
             if channels != 3:
@@ -381,13 +354,12 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     splits, mode = (source.train, source.val), cfg.loader
     if files and mode == "device":
         raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
-    if mode == "auto":
-        fits = not files and _fits_on(device, sum(t.nbytes for split in splits for t in split))
+    if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+        fits = not files and sum(t.nbytes for split in splits for t in split) <= DEVICE_MEMORY_SHARE * free
         mode = "device" if fits else "dataloader"
-    if mode == "device":
-        sources = [[t.to(device) for t in split] for split in splits]
-    else:
-        sources = [(split if files else torch.utils.data.TensorDataset(*split), None) for split in splits]
+    sources = ([[t.to(device) for t in split] for split in splits] if mode == "device" else
+               [(split if files else torch.utils.data.TensorDataset(*split), None) for split in splits])
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
                   num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size)
     train_batches = Batches(*sources[0], train=True, **common)
@@ -426,8 +398,8 @@ def read_image(path: str, mode: str = "RGB"):
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
         reason = "not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else (
             str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__)
-        raise UnreadableImage(f"cannot read image {path} (class folder {Path(path).parent.name!r}): "
-                              f"{reason}") from None
+        folder = Path(path).parent.name
+        raise UnreadableImage(f"cannot read image {path} (class folder {folder!r}): {reason}") from None
 
 
 class _Files(torch.utils.data.Dataset):
@@ -443,8 +415,9 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(self.loader(str(self.items[i][0]))), self.items[i][1]
 
 
-def _file_reading(cfg: Config):
-    """Image files' transform (resize, center crop, to uint8 CHW) and loader (RGB or grayscale)."""
+def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool) -> Source:
+    """(path, class index) lists as a Source read by workers: each image resized, center-cropped and
+    made uint8 CHW, RGB or grayscale, normalized with ImageNet's statistics (their mean if gray)."""
     from torchvision import transforms
 
     if cfg.channels not in (1, 3):
@@ -454,12 +427,15 @@ def _file_reading(cfg: Config):
     size = cfg.image_size or needs.crop or max(needs.size, 32)
     transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
                                     transforms.PILToTensor()])
-    transform.size = size
-    return transform, functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
+    loader = functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
+    mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
+    stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
+    return Source(_Files(train, transform, loader), _Files(val, transform, loader), names,
+                  pad=max(size // 8, 1), flip=flip, stats=stats)
 
 
 def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
-    """root/name's rows below its header: a file (relative to root) and its label, the first two columns."""
+    """root/name's rows under its header: a file (relative to root) and its label, the first two columns."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
             rows = [(root / row[0].strip(), row[1].strip()) for row in list(csv.reader(f))[1:] if row]
@@ -472,21 +448,3 @@ def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
         raise UserError(f"csv: {root / name} {what}")
     return rows
 
-
-def _imagenet_stats(channels: int) -> tuple:
-    mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
-    if channels == 1:  # grayscale: the average of ImageNet's channel statistics
-        mean, std = mean.mean().view(1), std.mean().view(1)
-    return mean.tolist(), std.tolist()
-
-
-def _stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x = images.float().div_(255).transpose(0, 1).reshape(images.shape[1], -1)
-    return x.mean(1), x.std(1).clamp_min(1e-3)
-
-
-def _fits_on(device: torch.device, nbytes: int) -> bool:
-    if device.type != "cuda":
-        return True  # the tensors are already in host memory
-    free, _ = torch.cuda.mem_get_info(device)
-    return nbytes <= DEVICE_MEMORY_SHARE * free

@@ -130,7 +130,7 @@ def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype,
              total_steps: int, tensorboard: TensorBoard, say) -> None:
     """What this run is, said once at start-up."""
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
-        f"{'x'.join(map(str, info.input_shape))}, {info.num_outputs} outputs, via {info.loader}")
+        f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
     moved = tensorboard.moved and f"TensorBoard logs of an earlier run moved to {tensorboard.moved}"
     for note in filter(None, [*info.notes, task.pictures_note(info.images), moved]):
         say(note)

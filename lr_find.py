@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
 
         import distributed
         import task
-        from configs import UserError, command_line, exit_with_error, parse_or_exit
+        from configs import UserError, command_line, exit_with_error, parse_config
         from data import build_loaders
         from models import amp_setup, build_model, build_optimizer
     except ImportError as err:
@@ -272,17 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     if world_size > 1 and os.environ.get("RANK", "0") != "0":
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
-    cfg = parse_or_exit(argv, description="Learning-rate range test on train.py's setup.")
-    if world_size > 1:
-        print(f"lr_find.py: one sweep is enough: rank 0 runs it, the other {world_size - 1} processes exit")
     try:  # the data, model and optimizer that train.py builds from the same flags
         from checkpoints import check_writable_dir
 
+        cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
+        if world_size > 1:
+            print(f"lr_find.py: one sweep is enough: rank 0 runs it, the other {world_size - 1} processes "
+                  "exit")
         check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
         device = distributed.pick_device(cfg.device)
         torch.manual_seed(cfg.seed)
         batches, _, info = build_loaders(cfg, device)
-        model = build_model(cfg, info.channels, info.num_outputs, device)
+        model = build_model(cfg, info.input_shape[0], len(info.names), device)
         amp_dtype, scaler = amp_setup(device, cfg.amp)
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
         with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:

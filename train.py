@@ -78,7 +78,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
     batches = len(train_batches)
-    model = build_model(cfg, info.channels, info.num_outputs, device)
+    model = build_model(cfg, info.input_shape[0], len(info.names), device)
     amp_dtype, scaler = amp_setup(device, cfg.amp)
     criterion = functools.partial(task.loss, cfg=cfg)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
@@ -411,8 +411,8 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     cfg = evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
     rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
-    model = build_model(cfg, info.channels, info.num_outputs, device)
-    load_weights(model, weights_of(ckpt), info.num_outputs, f"--evaluate {path}", new_head=False)
+    model = build_model(cfg, info.input_shape[0], len(info.names), device)
+    load_weights(model, weights_of(ckpt), len(info.names), f"--evaluate {path}", new_head=False)
     val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     pictures = task.pictures(val, info.names, None)

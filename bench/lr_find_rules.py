@@ -117,7 +117,7 @@ def setup(cfg: Config, device: torch.device):
     """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
     batches, _, info = build_loaders(cfg, device)
-    model = build_model(cfg, info.channels, info.num_outputs, device)
+    model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))
     return model, optimizer, functools.partial(task.loss, cfg=cfg), stream

@@ -228,17 +228,14 @@ def validate(cfg: Config) -> Config:
     for f in fields(Config):
         value, choices, limits = getattr(cfg, f.name), choices_of(f), f.metadata["limits"]
         if choices and value not in choices:
-            raise UserError(
-                f"unknown {f.name} {value!r}{_suggest(value, choices)} (choose from {', '.join(choices)})"
-            )
+            raise UserError(f"unknown {f.name} {value!r}{_suggest(value, choices)} "
+                            f"(choose from {', '.join(choices)})")
         if limits and not LIMITS[limits](value):
             raise UserError(f"{f.name} must be {limits}, got {value}")
     if cfg.lr not in LR_WORDS and not cfg.lr > 0:
         raise UserError(f"lr must be > 0 (or auto, or find), got {cfg.lr}")
     if cfg.find_start_lr >= cfg.find_end_lr:
-        raise UserError(
-            f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})"
-        )
+        raise UserError(f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})")
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:
         raise UserError("warmup_epochs does not apply to onecycle; its warm phase is pct_start")
     if cfg.schedule == "warmup" and not cfg.warmup_epochs:
@@ -250,10 +247,8 @@ def validate(cfg: Config) -> Config:
 def load_toml(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
-        presets = sorted(p.name for p in Path(__file__).parent.glob("*.toml"))
-        raise UserError(
-            f"config file {path} not found (presets: {', '.join('configs/' + p for p in presets)})"
-        )
+        presets = ", ".join(f"configs/{p.name}" for p in sorted(Path(__file__).parent.glob("*.toml")))
+        raise UserError(f"config file {path} not found (presets: {presets})")
     try:
         values = tomllib.loads(file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
@@ -406,14 +401,6 @@ def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> s
         else:
             args += [_flag(f.name), str(value)]
     return shlex.join(args)
-
-
-def parse_or_exit(argv: list[str] | None = None, description: str = "") -> Config:
-    """parse_config for scripts: a UserError becomes one line on stderr and exit status 2."""
-    try:
-        return parse_config(argv, description)
-    except UserError as err:
-        exit_with_error(str(err))
 
 
 def exit_with_error(message: str, status: int = 2):

@@ -68,7 +68,7 @@ def test_train_windows_of_micro_batches_equal_one_batch_each(tmp_path, trained):
                                        "--accum-steps", "3")
     batches, _, info = build_loaders(cfg, CPU)
     assert len(batches) == 7
-    model = bn_free_net(info.channels, info.num_outputs)
+    model = bn_free_net(info.input_shape[0], len(info.names))
     model.load_state_dict(seen["initial"])
     optimizer = build_optimizer(model, cfg, float(cfg.lr))
     scheduler, _ = train.make_scheduler(cfg, optimizer, len(batches))

@@ -129,7 +129,7 @@ def test_loaders_report_shapes(argv, shape, sizes, classes):
     assert x.shape == (16, *shape) and y.shape == (16,)
     assert info.input_shape == shape and info.images
     assert (info.train_size, info.val_size) == (train.num_examples, val.num_examples) == sizes
-    assert info.num_outputs == classes and int(y.max()) < classes
+    assert len(info.names) == classes and int(y.max()) < classes
     assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16)
     assert sum(len(t) for _, t in val.epoch(0)) == sizes[1]
 

@@ -222,7 +222,7 @@ def test_channels_applies_to_image_folders(tmp_path):
              "--batch-size", "4", "--num-workers", "0"]
     gray, _, info = build_loaders(parse_config([*flags, "--channels", "1"]), torch.device("cpu"))
     rgb, _, _ = build_loaders(parse_config(flags), torch.device("cpu"))
-    assert info.channels == 1
+    assert info.input_shape[0] == 1
     (x1, _), (x3, _) = next(gray.epoch(0)), next(rgb.epoch(0))
     assert x1.shape == (4, 1, 8, 8) and x3.shape == (4, 3, 8, 8)
     pixels_gray = x1 / gray.scale + gray.shift / gray.scale  # back to 0..255

@@ -43,7 +43,7 @@ def test_a_fixed_size_model_gets_its_inputs_resized():
     assert inputs.shape == (2, 1, 224, 224) and info.input_shape == (1, 224, 224)
     assert info.notes == ["vit_b_16 takes inputs of exactly 224x224 px: the 8x8 images are resized "
                           "to 224x224 on the device"]
-    model = build_model(cfg, info.channels, info.num_outputs).eval()
+    model = build_model(cfg, info.input_shape[0], len(info.names)).eval()
     with torch.no_grad():
         assert model(inputs).shape == (2, 10)
     with pytest.raises(UserError, match="exactly 224x224 px; pass --image-size 224"):

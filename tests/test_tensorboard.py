@@ -57,7 +57,7 @@ def test_a_default_run_shows_its_inputs_its_confusion_and_its_worst_mistakes(tmp
     assert torch.equal(grid[4:68, 4:68, 0], expected) and torch.equal(grid[4:68, 4:68, 2], expected)
 
     # summary.json's per-class accuracy is what the saved model gets on each class.
-    model = build_model(cfg, info.channels, info.num_outputs)
+    model = build_model(cfg, info.input_shape[0], len(info.names))
     model.load_state_dict(checkpoints.load_checkpoint(tmp_path / "last.pt")["model"])
     model.eval()
     right, seen = torch.zeros(10), torch.zeros(10)
