@@ -251,3 +251,25 @@ def test_resume_header_counts_epochs_from_1():
     assert checkpoints.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
     assert checkpoints.position(3, 0, 3, 8) == "the run was already complete"
 
+
+
+def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
+    """A setting is compared by default (a new one too); the ones that cannot move the rate say so."""
+    import dataclasses
+
+    import configs
+
+    assert configs.setting(1, "a new setting").metadata["keeps_lr"] is False
+    base = parse_config([*TINY])
+    for field in dataclasses.fields(configs.Config):
+        if field.metadata["keeps_lr"] or field.name in ("momentum", "nesterov"):
+            continue
+        swept = {**base.to_dict(), field.name: "something else"}
+        shown = f"{field.name}: 'something else' -> {getattr(base, field.name)!r}"
+        assert lr_setup_differences(swept, base) == [shown], field.name
+    kept = {f.name for f in dataclasses.fields(configs.Config) if f.metadata["keeps_lr"]}
+    assert kept == {"data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
+                    "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor",
+                    "final_div_factor", "find_start_lr", "find_end_lr", "find_iters", "find_method", "device",
+                    "channels_last", "compile", "seed", "out_dir", "log_every", "save_every", "resume",
+                    "allow_more_epochs", "evaluate"}

@@ -49,3 +49,17 @@ def test_a_fixed_size_model_gets_its_inputs_resized():
     with pytest.raises(UserError, match="exactly 224x224 px; pass --image-size 224"):
         build_loaders(parse_config(["--model", "vit_b_16", "--dataset", "synthetic", "--image-size", "32"]),
                       torch.device("cpu"))
+
+
+def test_the_readme_lists_the_registries_as_they_are():
+    """OPTIMIZERS as the README shows it is models.py's, and every dataset name is in the README."""
+    import data
+    import models
+
+    readme, source = (ROOT / "README.md").read_text(), (ROOT / "models.py").read_text()
+    shown = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+                 if block.startswith("OPTIMIZERS = {"))
+    assert shown in source
+    assert list(models.OPTIMIZERS) == re.findall(r'^    "(\w+)": OptimizerEntry', shown, re.M)
+    fork_it = readme.split("## Fork it")[1].split("\n## ")[0]
+    assert [name for name in data.DATASETS if f"`{name}`" not in fork_it] == []
