@@ -218,7 +218,7 @@ def build_scheduler(
     """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
 
     warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle,
-    whose warm phase is pct_start (default 0.3, torch's); warmup needs it >= 1. Options equal to
+    whose warm phase is pct_start (default 0.3, torch's); warmup needs one. Options equal to
     None take their defaults: step uses step_size=ceil((total_steps - warmup_steps) / 3),
     gamma=0.1, i.e. decays at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio
     (default 0) x base. onecycle's max_lr: a list sets each param group's peak; a number is the
@@ -236,8 +236,8 @@ def build_scheduler(
         _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
     options = {key: value for key, value in options.items() if value is not None}
     _require(
-        name != "warmup" or warmup_steps >= 1,
-        "warmup_steps must be >= 1 for warmup: without a warmup it is the constant schedule",
+        name != "warmup" or warmup_steps >= 1 or total_steps == 1,
+        "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant",
     )
     if name == "onecycle":
         _require(
