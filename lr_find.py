@@ -98,7 +98,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         hook.remove()
         batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
         restore()
-        for put in put_back:
+        for put in reversed(put_back):  # last kept, first put back: loader and val_loader may be one
             put()
     plan = plan[: len(losses)]
     return _result([rates[0] for rates in plan], losses, smoothed, stop_reason, schedule, method, kind,

@@ -155,6 +155,28 @@ def test_persistent_workers_serve_the_next_epochs_as_without_a_sweep(epochs_befo
     assert_same_run(swept, plain)
 
 
+def test_a_failed_sweep_leaves_the_loaders_own_workers_running():
+    """Mid-training, the loader already has its workers: the sweep (here with the same loader for
+    validation) runs its own, stops them, and puts the loader's back, even when it fails."""
+    model = small_convnet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(NoisyImages(), batch_size=8, **PERSISTENT)
+    for _ in loader:
+        pass
+    own, calls = loader._iterator, []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        if len(calls) == 8:
+            raise RuntimeError("a fault in the sweep")
+        return F.cross_entropy(out, y)
+
+    with pytest.raises(RuntimeError, match="a fault in the sweep"):
+        lf.lr_find(model, optimizer, loss_fn, loader, val_loader=loader, num_iter=10)
+    assert loader._iterator is own and all(w.is_alive() for w in own._workers)
+    assert len(torch.cat([x for x, _ in loader])) == 40
+
+
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
 def test_a_loader_with_its_own_generator_serves_the_next_epochs_as_without_a_sweep(monkeypatch):
     def kwargs():
