@@ -141,7 +141,7 @@ class LRFindResult:
     def for_groups(self, schedule: str | None = None) -> list[float] | None:
         """The suggestion per param group, in their ratio at the nearest step: onecycle's max_lr list."""
         lr = self.for_schedule(schedule or self.schedule)
-        rates = None if lr is None else min(self.group_lrs, key=lambda row: abs(math.log(row[0] / lr)))
+        rates = None if lr is None else min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
         return None if rates is None else [lr * (rate / rates[0]) for rate in rates]
 
 

@@ -223,9 +223,10 @@ def build_scheduler(
     gamma=0.1, i.e. decays at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio
     (default 0) x base. onecycle's max_lr: a list sets each param group's peak; a number is the
     first group's, the others keeping the ratio of their lrs to its lr (as lr_find sweeps them);
-    None: each group's lr. Stepped past total_steps, a schedule holds its last rate and warns
-    once. To resume, load the optimizer's state before or after building this scheduler, then
-    the scheduler's: the rate is the saved one either way.
+    None: each group's lr. (A peak that a onecycle schedule already set in a group, as a loaded
+    optimizer state holds, stands for the group's lr.) Stepped past total_steps, a schedule
+    holds its last rate and warns once. To resume, load the optimizer's state before or after
+    building this scheduler, then the scheduler's: the rate is the saved one either way.
     """
     _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
     _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)

@@ -1233,6 +1233,9 @@ def test_per_group_suggestions_take_the_ratio_at_the_nearest_step():
         2e-3, 2e-3]
     with pytest.raises(ValueError, match="schedule must be one of"):
         result.for_groups("linear")
+    bare = lf.LRFindResult([1e-3], [1.0], [1.0], 0.5, "completed", "minimum",
+                           suggestions={"peak": (0.5, "minimum")})
+    assert bare.for_groups() == [0.5], "a result built without group_lrs: one group"
 
 
 LISTS = "start_lr and end_lr as lists need one rate each per param group (2), got "
