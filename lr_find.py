@@ -657,7 +657,7 @@ def _keep_loader(loader: Any) -> Callable[[], None]:
     if hasattr(type(getattr(loader, "dataset", None)), "__next__"):
         warnings.warn(f"lr_find: the DataLoader's dataset is an iterator ({type(loader.dataset).__name__}): "
                       "the sweep used up what it drew; give lr_find a loader of its own, or the dataset an "
-                      "__iter__ that starts afresh", UserWarning, stacklevel=3)
+                      "__iter__ that starts afresh", UserWarning, stacklevel=4)
     pool = getattr(loader, "persistent_workers", False)
     if pool:  # the sweep gets workers of its own; the loader's (if any) come back
         kept.append((functools.partial(setattr, loader, "_iterator"), loader._iterator))

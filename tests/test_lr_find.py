@@ -739,7 +739,7 @@ def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
 
     result = lf.lr_find(model, optimizer, loss_fn, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
                         end_lr=1e-2)
-    assert seen == [[lr, lr] for lr in result.lrs]
+    assert seen == [[lr, lr] for lr in result.lrs] and (result.lrs[0], result.lrs[-1]) == (1e-7, 1e-2)
 
 
 def test_tensor_lrs_of_two_groups_keep_their_ratio():
@@ -892,6 +892,52 @@ def test_no_suggestion_warning_points_at_the_caller():
     assert [str(w.message) for w in caught] == [
         "lr_find: no suggestion, the loss was still falling at the end of the sweep (raise end_lr)"]
     assert caught[0].filename == __file__
+    stuck = lf.LRFindResult(**{**vars(bowl_sweep()), "why_none": "every step was skipped"})
+    with pytest.warns(UserWarning) as caught:
+        stuck.suggest()
+    assert caught[0].filename == __file__
+
+
+def test_the_loader_warning_points_at_the_caller():
+    data = torch.utils.data.TensorDataset(torch.ones(4, 1), torch.zeros(4, 1))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return data[0]
+
+    model, optimizer, _ = probe_setup()
+    with pytest.warns(UserWarning, match="dataset is an iterator") as caught:
+        lf.lr_find(model, optimizer, F.mse_loss, torch.utils.data.DataLoader(Stream(), batch_size=2),
+                   num_iter=10, end_lr=1e-2, diverge=1e9)
+    assert caught[0].filename == __file__
+
+
+def test_a_sweep_that_never_stepped_suggests_nothing_by_any_rule():
+    """Its losses alone would give a suggestion: the reason it gave none stands for every rule."""
+    result = bowl_sweep()
+    assert all(result.suggest(m) is not None for m in lf.METHODS)
+    stuck = lf.LRFindResult(**{**vars(result), "why_none": "every step was skipped (by a GradScaler)"})
+    for method in lf.METHODS:
+        with pytest.warns(UserWarning) as caught:
+            assert stuck.suggest(method) is None
+        assert [str(w.message) for w in caught] == [f"lr_find: no suggestion, {stuck.why_none}"]
+    with pytest.raises(ValueError, match="method must be one of"):
+        stuck.suggest("best")
+    rebuilt = lf._result(result.lrs, result.losses, result.smoothed, "completed", "cosine", None, "sgd")
+    assert rebuilt.optimizer_kind_from == "" and rebuilt.group_lrs == [[lr] for lr in result.lrs]
+
+
+def test_the_last_rate_is_the_end_rate_exactly():
+    """1e-5 * (1.0 / 1e-5) and 0.03 + (0.3 - 0.03) are not 1.0 and 0.3 in floating point."""
+    model, optimizer, loader = linear_setup()
+    exp = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=1e-5, end_lr=1.0, num_iter=10,
+                     diverge=1e9)
+    linear = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=[0.03, 0.03], end_lr=[0.3, 0.3],
+                        num_iter=10, diverge=1e9, step_mode="linear")
+    assert exp.lrs[-1] == 1.0 and linear.group_lrs[-1] == [0.3, 0.3]
 
 
 # --- the curve the rules read, and the rules, on hand-made curves ---------------------------------
@@ -957,6 +1003,7 @@ def test_only_a_non_finite_loss_past_the_last_finite_one_is_a_blow_up():
         assert lf.suggest_lr(lrs, falling[:20] + [math.nan] + falling[21:]) is None
     assert not lf.suggestion_curve(lrs, [math.nan, *falling[1:]]).exploded
     assert lf.suggestion_curve(lrs, [*falling[:-1], math.nan]).exploded
+    assert not lf.suggestion_curve([*lrs, lrs[-1]], [*falling, math.nan]).exploded, "at the same lr: no"
 
 
 def hand_curve(loss: list[float], first: int = 2, spacing: float = 0.1, exploded: bool = False,
@@ -1279,20 +1326,37 @@ def test_a_loaders_generators_and_sampler_state_come_back():
             self.epoch += 1
             return iter(self.rng.sample(range(self.n), self.n))
 
+    class Batches(torch.utils.data.Sampler):
+        """A batch sampler of its own: batches of 4 in the order its sampler gives, and an epoch count."""
+
+        def __init__(self, sampler):
+            self.sampler, self.epoch = sampler, 0
+
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            self.epoch += 1
+            order = list(self.sampler)
+            return iter([order[i:i + 4] for i in range(0, 12, 4)])
+
     data = torch.utils.data.TensorDataset(torch.randn(12, 1), torch.randn(12, 1))
 
-    def orders(sweep: bool) -> list:
+    def orders(sweep: bool) -> tuple:
         g = torch.Generator().manual_seed(1)
-        sampler = Sampler(12)
-        loaders = [torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler),
+        samplers = [Sampler(12), Sampler(12), Batches(Sampler(12))]
+        loaders = [torch.utils.data.DataLoader(data, batch_size=4, sampler=samplers[0]),
+                   torch.utils.data.DataLoader(data, batch_size=None, sampler=samplers[1]),
+                   torch.utils.data.DataLoader(data, batch_sampler=samplers[2]),
                    torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=g)]
         if sweep:
             model, optimizer, _ = probe_setup()
             for loader in loaders:
                 lf.lr_find(model, optimizer, F.mse_loss, loader, num_iter=10, end_lr=1e-2, diverge=1e9,
-                           val_loader=loaders[1])
-        return [torch.cat([x for x, _ in loader]) for loader in loaders], sampler.epoch
+                           val_loader=loaders[-1])
+        seen = [torch.cat([x.reshape(-1) for x, _ in loader]) for loader in loaders]
+        return seen, [s.epoch for s in [*samplers, samplers[2].sampler]]
 
-    (swept, swept_epoch), (plain, plain_epoch) = orders(True), orders(False)
+    (swept, swept_epochs), (plain, plain_epochs) = orders(True), orders(False)
     assert all(torch.equal(a, b) for a, b in zip(swept, plain, strict=True))
-    assert swept_epoch == plain_epoch == 1
+    assert swept_epochs == plain_epochs == [1, 1, 1, 1]

@@ -282,6 +282,31 @@ def test_resume_matches_uninterrupted_run(name, W, options, j, order, kind):
     assert first + run(opt, sched, T - j, "lr", key) == full
 
 
+@pytest.mark.parametrize("name", ["cosine", "onecycle"])
+@pytest.mark.parametrize("order", ["build-then-load", "load-then-build"])
+def test_resume_with_a_tensor_lr(name, order):
+    """An lr held in a tensor (Adam's capturable runs) gets the saved rate in place."""
+    def make():
+        torch.manual_seed(0)
+        return torch.optim.Adam(nn.Linear(2, 2).parameters(), lr=torch.tensor(0.01), foreach=False)
+
+    opt = make()
+    full = [float(step[0]) for step in run(opt, build_scheduler(opt, name, 10), 10)]
+    opt = make()
+    sched = build_scheduler(opt, name, 10)
+    run(opt, sched, 4)
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    opt = make()
+    if order == "load-then-build":
+        opt.load_state_dict(state["optimizer"])
+    sched = build_scheduler(opt, name, 10)
+    if order == "build-then-load":
+        opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert [float(step[0]) for step in run(opt, sched, 6)] == full[4:]
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_a_schedule_stepped_past_its_end_holds_its_last_rate_and_warns_once(name):
     _, opt = make_optimizer()
