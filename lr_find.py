@@ -1,4 +1,4 @@
-"""Learning-rate range test: sweep the lr exponentially, record the loss, suggest an lr per schedule.
+"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule.
 
 One sweep serves every schedule, but not with one number: onecycle's peak tolerates rates up to
 where the sweep's loss bottoms out; schedules that start at their full rate need less, and with an
@@ -21,7 +21,7 @@ import random
 import sys
 import warnings
 from collections import deque, namedtuple
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,6 @@ _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family i
 # and even under onecycle's warmup their best peak sits a little below it.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"},
                  "adaptive": {"peak": "min/3", "base": "min/10"}}
-ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-            torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
@@ -45,48 +43,74 @@ DIVERGED_RUN = 2
 
 
 def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            loss_fn: Callable[[Any, Any], torch.Tensor], loader: Iterable[Any], *,
-            start_lr: float = 1e-7, end_lr: float = 10.0, num_iter: int = 50, smooth: float = 0.9,
-            diverge: float = 4.0, accum_steps: int = 1, autocast_dtype: torch.dtype | None = None,
-            scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
-            schedule: str = "onecycle", method: str | None = None, min_iter_before_stop: int = 10,
-            progress: Callable[[int, float, float], None] | None = None) -> LRFindResult:
-    """Train with an exponentially growing lr and record the loss of every optimizer step.
+            loss_fn: Callable[[Any, Any], torch.Tensor] | None, loader: Iterable[Any], *,
+            start_lr: float | Sequence[float] = 1e-7, end_lr: float | Sequence[float] = 10.0,
+            num_iter: int = 50, smooth: float = 0.9, diverge: float = 4.0, accum_steps: int = 1,
+            autocast_dtype: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None,
+            device: torch.device | str | None = None, schedule: str = "onecycle", method: str | None = None,
+            min_iter_before_stop: int = 10, progress: Callable[[int, float, float], None] | None = None,
+            batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+            val_loader: Iterable[Any] | None = None, step_mode: str = "exp",
+            optimizer_kind: str | None = None) -> LRFindResult:
+    """Train with a growing lr and record the loss of every optimizer step.
 
-    ``loader`` yields ``(inputs, targets)``; the loss is ``loss_fn(model(inputs), targets)``. Step
-    i sets ``start_lr * (end_lr / start_lr) ** (i / (num_iter - 1))`` on the first param group,
-    the others keeping their ratio to it. The sweep stops at a non-finite loss, or (from step
+    Batches go to ``device`` whole (tensors in mappings, lists, tuples; a BatchEncoding or any object
+    with a ``.to`` moves itself). The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs,
+    targets)`` batches, else ``batch_loss(model, batch)``, e.g. ``lambda model, batch:
+    model(**batch).loss``. Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or
+    a straight line: ``step_mode="linear"``) on the first param group, the others keeping their
+    ratio to it; lists of rates give each group its own. With ``val_loader`` a step's loss is the
+    mean over it after the step, in eval mode. The sweep stops at a non-finite loss, or (from step
     ``min_iter_before_stop`` on) once the smoothed loss passes ``diverge`` times its best or
     ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` times their lowest running median of five.
-    Everything it touched is restored afterwards, even on error. ``progress(i, lr, loss)`` sees
-    each step. ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for the optimizer's kind, or by
-    ``method`` if given; ``.for_schedule(name)`` gives the others.
+    All it touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's
+    generators, samplers and persistent workers (an iterator is used up). ``progress(i, lr, loss)``
+    sees each step. ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None:
+    told from the optimizer) or by ``method``; there is none if no step happened or no weight moved.
     """
-    _check_args(model, optimizer, schedule, method, start_lr, end_lr, num_iter, smooth, diverge,
-                accum_steps, min_iter_before_stop)
+    _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
+                num_iter, smooth, diverge, accum_steps, min_iter_before_stop)
+    plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    lrs = [start_lr * (end_lr / start_lr) ** (i / (num_iter - 1)) for i in range(num_iter)]
-    lrs[0], lrs[-1] = start_lr, end_lr
-    restore, batches = _snapshot(model, optimizer, scaler), _cycle(loader)
+    kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
+    autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype,
+                                 enabled=autocast_dtype is not None)
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        batch = _to_device(batch, device)
+        with autocast():
+            return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
+
+    restore, moved = _snapshot(model, optimizer, scaler)
+    batches, taken, put_back = _cycle(loader), [], []
+    hook = _chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1))  # steps that happened
     try:
+        put_back.extend(_keep_loader(v) for v in (loader, val_loader) if v is not None)  # one by one
         with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
-            losses, smoothed, stop_reason = _sweep(model, optimizer, loss_fn, batches, device, lrs, smooth,
-                                                   diverge, accum_steps, autocast_dtype, scaler,
-                                                   min_iter_before_stop, progress)
+            losses, smoothed, train_losses, stop_reason = _sweep(
+                model, optimizer, loss_of, batches, val_loader, plan, device, smooth, diverge, accum_steps,
+                scaler, min_iter_before_stop, progress)
+        stuck = None if taken and moved() else (  # a sweep that never stepped says nothing
+            f"the weights never changed in {len(taken)} steps (zero gradients, or steps skipped on the "
+            "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
     finally:
+        hook.remove()
         batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
         restore()
-    kind = "adaptive" if isinstance(optimizer, ADAPTIVE) else "sgd"
-    return _result(lrs[: len(losses)], losses, smoothed, stop_reason, schedule, method, kind)
+        for put in reversed(put_back):  # last kept, first put back: loader and val_loader may be one
+            put()
+    plan = plan[: len(losses)]
+    return _result([rates[0] for rates in plan], losses, smoothed, stop_reason, schedule, method, kind,
+                   kind_from, stuck, plan, train_losses if val_loader is not None else None)
 
 
 @dataclass
 class LRFindResult:
-    """One entry per step in ``lrs``, ``losses`` and ``smoothed`` (the moving average the stop
-    rule watches; NaN at a non-finite loss, which ends the sweep). ``suggestions`` maps "peak" and
-    "base" to (lr or None, rule); ``suggestion`` and ``method`` are those serving ``schedule``."""
+    """Per step: ``lrs`` (the first param group's), ``group_lrs``, ``losses`` (with a val_loader its
+    loss; ``train_losses`` the training one), ``smoothed`` (what the stop rule watches; NaN at a
+    non-finite loss). ``suggestions``: "peak" and "base" to (lr or None, rule)."""
 
     lrs: list[float]
     losses: list[float]
@@ -97,9 +121,16 @@ class LRFindResult:
     schedule: str = "onecycle"
     suggestions: dict[str, tuple[float | None, str]] = field(default_factory=dict)
     optimizer_kind: str = "sgd"  # or "adaptive": which DEFAULT_RULES served
+    optimizer_kind_from: str = ""  # how the kind was told
+    group_lrs: list[list[float]] = field(default_factory=list)
+    train_losses: list[float] | None = None
+    why_none: str | None = None  # why there is no suggestion
 
     def suggest(self, method: str = "minimum") -> float | None:
-        """Re-derive a suggestion from this sweep with another rule, without re-running it."""
+        """Another rule's pick from this sweep, without re-running it (None if it gave none)."""
+        if method in RULES and self.why_none:
+            warnings.warn(f"lr_find: no suggestion, {self.why_none}", UserWarning, stacklevel=2)
+            return None
         return suggest_lr(self.lrs, self.losses, method)
 
     def for_schedule(self, schedule: str) -> float | None:
@@ -108,13 +139,19 @@ class LRFindResult:
             raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
         return self.suggestions[SCHEDULES[schedule]][0]
 
+    def for_groups(self, schedule: str | None = None) -> list[float] | None:
+        """The suggestion per param group, in their ratio at the nearest step: onecycle's max_lr list."""
+        lr = self.for_schedule(schedule or self.schedule)
+        rates = None if lr is None else min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
+        return None if rates is None else [lr * (rate / rates[0]) for rate in rates]
 
-def suggest_lr(lrs: Sequence[float], losses: Sequence[float], method: str = "minimum") -> float | None:
-    """One rule's pick from a sweep; None, with a UserWarning, when too few points are usable,
-    the loss never decreases, or it still falls at the end of the sweep (for the minimum)."""
+
+def suggest_lr(lrs: Sequence[float], losses: Sequence[float | None], method: str = "minimum") -> float | None:
+    """One rule's pick from a sweep, lr_find.json's lists too (null: a non-finite loss); None, with a
+    UserWarning, when too few points are usable, the loss never decreases, or still falls at the end."""
     if method not in RULES:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return _read(suggestion_curve(lrs, losses), {method: method})[method][0]
+    return _read(suggestion_curve(lrs, losses), {method: method})[0][method][0]
 
 
 # --- what the rules read, and the rules -------------------------------------------------------
@@ -133,11 +170,12 @@ class SuggestionCurve:
     problem: str | None  # why no rule can read this curve
 
 
-def suggestion_curve(lrs: Sequence[float], losses: Sequence[float]) -> SuggestionCurve:
+def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> SuggestionCurve:
     """Smooth without shifting: a running median of five (drops lone spikes, keeps a monotone drop
     sharp), then a Gaussian in log10(lr) of SUGGEST_SIGMA_DECADES (or 1.5 point spacings if wider).
     The sweep's moving average trails the data, and would move every feature to a higher lr."""
-    pairs = [(float(lr), float(v)) for lr, v in zip(lrs, losses, strict=True) if 0 < lr < math.inf]
+    pairs = [(float(lr), math.nan if v is None else float(v))  # JSON's null: a non-finite loss
+             for lr, v in zip(lrs, losses, strict=True) if 0 < lr < math.inf]
     points = sorted((lr, v) for lr, v in pairs if math.isfinite(v))
     exploded = bool(points) and any(not math.isfinite(v) and lr > points[-1][0] for lr, v in pairs)
     n, lrs, raw = len(points), [p[0] for p in points], [p[1] for p in points]
@@ -188,19 +226,22 @@ METHODS = tuple(RULES)
 # --- saving and drawing a sweep ---------------------------------------------------------------
 
 
-def save_sweep(result: LRFindResult, config: dict, out_dir: Any) -> list[Any]:
-    """Write lr_find.json, lr_find.png and the same picture to TensorBoard in out_dir/lr_find/ (no
-    scalars: against the step index neither loss nor lr means much). The one writer for `python
-    lr_find.py` and `train.py --lr find`; returns what it wrote. An OSError names the file."""
+def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None) -> list[Any]:
+    """Write lr_find.json (``extra``'s keys join its record), lr_find.png and the same picture to
+    TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr means
+    much). The one writer for `python lr_find.py` and `train.py --lr find`; returns what it wrote.
+    An OSError names the file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    finite = {k: [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
-              for k, values in (("losses", result.losses), ("smoothed", result.smoothed))}
-    record = {"lrs": result.lrs, **finite, "stop_reason": result.stop_reason, "schedule": result.schedule,
-              "suggestion": result.suggestion, "method": result.method,
-              "optimizer_kind": result.optimizer_kind, "config": config,
-              "suggestions": {f: {"lr": lr, "method": rule, "schedules": _SERVED[f]}
-                              for f, (lr, rule) in result.suggestions.items()}}
+    finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
+              for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
+                                ("train_losses", result.train_losses))}
+    record = {"lrs": result.lrs, **finite, **{k: getattr(result, k) for k in (
+                  "group_lrs", "stop_reason", "schedule", "suggestion", "method", "why_none",
+                  "optimizer_kind", "optimizer_kind_from")}, "config": config,
+              "suggestions": {f: {"lr": lr, "method": rule, "schedules": _SERVED[f],
+                                  "group_lrs": result.for_groups(_SERVED[f][0])}
+                              for f, (lr, rule) in result.suggestions.items()}, **(extra or {})}
     wrote = [_write_atomically(out_dir / "lr_find.json", json.dumps(record, indent=2).encode())]
     try:
         png = io.BytesIO()
@@ -242,10 +283,13 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
             ax.axvline(lr, color="tab:red" if chosen else "tab:gray", linestyle="-" if chosen else "--",
                        linewidth=2.5 if chosen else 1, label=f"{names[family]} ({rule}): {lr:.3g}")
     ax.set_xscale("log")
-    ax.set(xlabel="learning rate", ylabel="loss", title=f"LR range test, {len(result.lrs)} steps, "
-           f"{result.stop_reason}; red: for --schedule {result.schedule}")
+    ax.set(xlabel="learning rate", ylabel="loss" if result.train_losses is None else "validation loss",
+           title=f"LR range test, {len(result.lrs)} steps, {result.stop_reason}; red: for --schedule "
+           f"{result.schedule}")
     ax.legend(loc="lower left", fontsize="small")
     return ax.figure
+
+
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -341,17 +385,20 @@ def task_identity(task) -> dict:
 # --- internals: checks, suggestions, files and the sweep --------------------------------------
 
 
-def _check_args(model, optimizer, schedule, method, start_lr, end_lr, num_iter, smooth, diverge,
-                accum_steps, min_iter_before_stop) -> None:
+def _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
+                num_iter, smooth, diverge, accum_steps, min_iter_before_stop) -> None:
     """A ValueError naming the first bad argument, before anything is touched."""
     def whole(v: Any, low: int) -> bool:
         return isinstance(v, int) and v >= low
 
     for ok, message in [
+        ((loss_fn is None) != (batch_loss is None), "pass one of loss_fn(outputs, targets) and "
+                                                    "batch_loss(model, batch), not both or neither"),
         (schedule in SCHEDULES, f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}"),
         (method is None or method in RULES, f"method must be one of {METHODS}, got {method!r}"),
-        (0 < start_lr < end_lr < math.inf, f"start_lr and end_lr need 0 < start_lr < end_lr < inf, got "
-                                           f"start_lr={start_lr}, end_lr={end_lr}"),
+        (step_mode in ("exp", "linear"), f"step_mode must be 'exp' or 'linear', got {step_mode!r}"),
+        (optimizer_kind in (None, *DEFAULT_RULES), f"optimizer_kind must be None (told from the optimizer), "
+                                                   f"'sgd' or 'adaptive', got {optimizer_kind!r}"),
         (whole(num_iter, 10), f"num_iter must be an int >= 10 to suggest, got {num_iter}"),
         (0 <= smooth < 1, f"smooth must be in [0, 1), got {smooth}"),
         (diverge > 1, f"diverge must be > 1, got {diverge}"),
@@ -365,12 +412,51 @@ def _check_args(model, optimizer, schedule, method, start_lr, end_lr, num_iter, 
             raise ValueError(message)
 
 
-def _read(curve: SuggestionCurve, rules: dict[str, str]) -> dict[str, tuple[float | None, str]]:
-    """Each named rule's pick from one curve; one warning if any finds none."""
-    picks = {name: (None if curve.problem else RULES[rule](curve), rule) for name, rule in rules.items()}
-    if any(lr is None for lr, _ in picks.values()):
-        warnings.warn(f"lr_find: no suggestion, {_why_none(curve)}", UserWarning, stacklevel=4)
-    return picks
+def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[list[float]]:
+    """Each step's lr per param group: lists of rates give one per group, single rates the first
+    group's, the others keeping the ratio of their lr to its lr (all alike where that is 0)."""
+    groups, lists = optimizer.param_groups, [isinstance(v, (list, tuple)) for v in (start_lr, end_lr)]
+    if any(lists) and not (all(lists) and len(start_lr) == len(end_lr) == len(groups)):
+        raise ValueError(f"start_lr and end_lr as lists need one rate each per param group ({len(groups)}), "
+                         f"got start_lr={start_lr}, end_lr={end_lr}")
+    first, n = float(groups[0]["lr"]), len(groups)
+    starts, ends, scales = (start_lr, end_lr, [1.0] * n) if any(lists) else (
+        [start_lr] * n, [end_lr] * n, [float(g["lr"]) / first if first else 1.0 for g in groups])
+    if not all(0 < s < e < math.inf for s, e in zip(starts, ends, strict=True)):
+        raise ValueError(f"start_lr and end_lr need 0 < start_lr < end_lr < inf, got start_lr={start_lr}, "
+                         f"end_lr={end_lr}")
+    exp, steps = step_mode == "exp", [i / (num_iter - 1) for i in range(num_iter)]
+    return [[(e if t == 1 else s * (e / s) ** t if exp else s + (e - s) * t) * k
+             for s, e, k in zip(starts, ends, scales, strict=True)] for t in steps]
+
+
+def _chain(optimizer: Any) -> list[Any]:
+    """The optimizer and those it wraps in ``.optimizer`` (accelerate's AcceleratedOptimizer...)."""
+    chain = [optimizer]
+    while isinstance(getattr(chain[-1], "optimizer", None), torch.optim.Optimizer):
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
+def _classify(optimizer: Any) -> tuple[str, str]:
+    """("sgd" or "adaptive", how that was told) from the defaults of the optimizer inside any wrappers:
+    betas (running moments), eps (guarding a division by a running gradient scale) or etas (Rprop's
+    sign steps) make steps that keep their size whatever the gradient's scale; SGD's grow with it."""
+    chain = _chain(optimizer)
+    signs, name = sorted({"betas", "eps", "etas"} & set(chain[-1].defaults)), " in ".join(
+        type(o).__name__ for o in reversed(chain))
+    return ("adaptive" if signs else "sgd"), f"{name}: {', '.join(signs) or 'no betas, eps or etas'}"
+
+
+def _read(curve: SuggestionCurve, rules: dict[str, str],
+          stuck: str | None = None) -> tuple[dict[str, tuple[float | None, str]], str | None]:
+    """Each rule's pick (none for a ``stuck`` sweep), and why some found none, said in one warning."""
+    picks = {name: (None if stuck or curve.problem else RULES[rule](curve), rule)
+             for name, rule in rules.items()}
+    why = None if all(lr for lr, _ in picks.values()) else stuck or _why_none(curve)
+    if why:
+        warnings.warn(f"lr_find: no suggestion, {why}", UserWarning, stacklevel=4)
+    return picks, why
 
 
 def _why_none(curve: SuggestionCurve) -> str:
@@ -379,12 +465,13 @@ def _why_none(curve: SuggestionCurve) -> str:
     return "the loss was still falling at the end of the sweep (raise end_lr)"
 
 
-def _result(lrs: list[float], losses: list[float], smoothed: list[float], stop_reason: str,
-            schedule: str, method: str | None, kind: str) -> LRFindResult:
+def _result(lrs, losses, smoothed, stop_reason, schedule, method, kind, kind_from="", stuck=None,
+            group_lrs=None, train_losses=None) -> LRFindResult:
     chosen, rules = SCHEDULES[schedule], DEFAULT_RULES[kind]
-    picks = _read(suggestion_curve(lrs, losses), {**rules, chosen: method or rules[chosen]})
+    picks, why = _read(suggestion_curve(lrs, losses), {**rules, chosen: method or rules[chosen]}, stuck)
     lr, rule = picks[chosen]
-    return LRFindResult(lrs, losses, smoothed, lr, stop_reason, rule, schedule, picks, kind)
+    return LRFindResult(lrs, losses, smoothed, lr, stop_reason, rule, schedule, picks, kind, kind_from,
+                        group_lrs or [[v] for v in lrs], train_losses, why)
 
 
 def _write_atomically(path: Path, data: bytes) -> Path:
@@ -412,11 +499,29 @@ def _cycle(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
+    """A batch on ``device`` whole: tensors, and those in mappings (as dicts), lists and tuples (named
+    ones too) at any depth; an object with a ``.to`` of its own moves itself."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
+    if callable(getattr(obj, "to", None)):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return {k: _to_device(v, device) for k, v in obj.items()} if isinstance(obj, dict) else obj
+        items = [_to_device(v, device) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
+    """The default batch, an (inputs, targets) pair; any other is an error that names the hook."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return model(batch[0]), batch[1]
+    what = type(batch).__name__ + (f" with keys {list(batch)}" if isinstance(batch, Mapping) else
+                                   f" of {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+    raise ValueError(f"lr_find: loss_fn(model(inputs), targets) needs (inputs, targets) batches, got a "
+                     f"{what}; pass loss_fn=None and batch_loss=, a function (model, batch) -> loss, such "
+                     "as lambda model, batch: model(**batch).loss")
 
 
 def _read_lag(device: torch.device) -> int:
@@ -424,18 +529,16 @@ def _read_lag(device: torch.device) -> int:
     return 1 if device.type == "cuda" else 0
 
 
-def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge, accum_steps,
-           autocast_dtype, scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], str]:
-    """One optimizer step per lr of ``schedule`` until the stop rule fires: (losses, smoothed, why)."""
-    groups = optimizer.param_groups
-    first = float(groups[0]["lr"])
-    ratios = [float(g["lr"]) / first if first else 1.0 for g in groups]
-    # Step i's loss goes to host[i]: on CUDA asynchronously, into pinned memory, and it is read a step
-    # later (_read_lag) once its event has passed, so the GPU is never drained to read a loss.
+def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth, diverge, accum_steps,
+           scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], list[float], str]:
+    """One optimizer step per row of ``plan`` (each group's lr) until the stop rule fires: (losses,
+    smoothed, training losses, why)."""
+    # Step i's losses go to host[i]: on CUDA asynchronously, into pinned memory, and they are read a
+    # step later (_read_lag) once its event has passed, so the GPU is never drained to read a loss.
     cuda, lag = device.type == "cuda", _read_lag(device)
-    host = torch.empty(len(schedule), dtype=torch.float32, pin_memory=cuda)
+    host = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda)
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-    losses, smoothed, recent = [], [], deque(maxlen=5)
+    losses, smoothed, train_losses, recent = [], [], [], deque(maxlen=5)
     avg, best, floor, high_run = 0.0, math.inf, math.inf, 0
 
     def record(i: int) -> str | None:
@@ -443,10 +546,11 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
         nonlocal avg, best, floor, high_run
         if cuda:
             events[i % 2].synchronize()
-        value = float(host[i])
+        value, train = host[i].tolist()
         losses.append(value)
+        train_losses.append(train)
         if progress is not None:
-            progress(i, schedule[i], value)
+            progress(i, plan[i][0], value)
         if not math.isfinite(value):
             smoothed.append(math.nan)
             return "non-finite loss"
@@ -459,22 +563,27 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
         blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
         return "diverged" if i >= min_iter_before_stop and blown_up else None
 
-    autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype,
-                                 enabled=autocast_dtype is not None)
+    def val_loss() -> torch.Tensor:
+        model.eval()
+        with torch.no_grad():
+            total = [loss_of(batch).detach().float() for batch in val_loader]
+        model.train()
+        if not total:
+            raise ValueError("val_loader is empty: it yielded no batches")
+        return sum(total) / len(total)
+
     model.train()
     stop = None
-    for i, lr in enumerate(schedule):
-        for group, ratio in zip(groups, ratios, strict=True):
+    for i, rates in enumerate(plan):
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
             if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr * ratio)
+                group["lr"].fill_(lr)
             else:
-                group["lr"] = lr * ratio
+                group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0  # the recorded loss: the window's mean, as one big batch would give
+        total = 0.0  # the training loss: the window's mean, as one big batch would give
         for _ in range(accum_steps):
-            inputs, targets = (_to_device(v, device) for v in next(batches))
-            with autocast():
-                loss = loss_fn(model(inputs), targets) / accum_steps
+            loss = loss_of(next(batches)) / accum_steps
             total = total + loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
@@ -482,21 +591,23 @@ def _sweep(model, optimizer, loss_fn, batches, device, schedule, smooth, diverge
             scaler.update()
         else:
             optimizer.step()
-        host[i].copy_(total.reshape(()), non_blocking=cuda)
+        curve = total if val_loader is None else val_loss()
+        host[i].copy_(torch.stack([curve.reshape(()), total.reshape(())]), non_blocking=cuda)
         if cuda:
             events[i % 2].record(torch.cuda.current_stream(device))
         if i >= lag and (stop := record(i - lag)):
             break
     else:  # the steps still unread
-        for i in range(len(schedule) - lag, len(schedule)):
+        for i in range(len(plan) - lag, len(plan)):
             if stop := record(i):
                 break
-    return losses, smoothed, stop or "completed"
+    return losses, smoothed, train_losses, stop or "completed"
 
 
 # --- internals: snapshot and restore ----------------------------------------------------------
 
 _Kept = namedtuple("_Kept", "live saved")  # a tensor, dict or list, and its contents to put back
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def _keep(obj: Any) -> Any:
@@ -531,15 +642,15 @@ def _put_back(kept: Any) -> Any:
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler | None) -> Callable[[], None]:
-    """Record everything a sweep changes; return the function that puts it back."""
+              scaler: torch.amp.GradScaler | None) -> tuple[Callable[[], None], Callable[[], bool]]:
+    """Record all a sweep changes; return what puts it back, and what tells if a trainable weight moved."""
     tensors = _keep({(module, name): t for module in model.modules() for name, t in
                      [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]})
+    weights = [k for k in tensors.saved.values() if k.live.requires_grad]
     state = _keep(optimizer.state)
     groups = _keep([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
-    # Plain attributes too, such as the flag an LR scheduler sets to notice optimizer.step() calls.
-    plain = (bool, int, float, str, type(None))
-    flags = {k: v for k, v in vars(optimizer).items() if isinstance(v, plain)}
+    # Plain attributes of the optimizer and any it wraps, such as an LR scheduler's step flag.
+    flags = [(o, {k: v for k, v in vars(o).items() if isinstance(v, _PLAIN)}) for o in _chain(optimizer)]
     # All of the scaler: its scale is created on first use, and must go back to "not created yet".
     scaler_vars = _keep(vars(scaler) if scaler is not None else {})
     modes, rng = [(m, m.training) for m in model.modules()], _capture_rng_state()
@@ -553,9 +664,10 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             params = group["params"]
             group.clear()
             group.update(params=params, **saved)
-        for k in [k for k, v in vars(optimizer).items() if isinstance(v, plain) and k not in flags]:
-            delattr(optimizer, k)
-        vars(optimizer).update(flags)
+        for o, saved in flags:
+            for k in [k for k, v in vars(o).items() if isinstance(v, _PLAIN) and k not in saved]:
+                delattr(o, k)
+            vars(o).update(saved)
         _put_back(scaler_vars)
         _restore_rng_state(rng)
         for m, training in modes:
@@ -563,7 +675,42 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
             p.grad = None
 
-    return restore
+    def moved() -> bool:
+        return any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
+
+    return restore, moved
+
+
+def _keep_loader(loader: Any) -> Callable[[], None]:
+    """Record what iterating a DataLoader changes and return what puts it back: the generators its
+    samplers draw from, its and their plain attributes, and its persistent workers (the sweep gets its
+    own, so the loader's come up as they would have). A dataset that is an iterator: one warning."""
+    parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    kept = []  # (setter, value)
+    for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)] if o is not None}.values():
+        for k, v in getattr(o, "__dict__", {}).items():
+            if isinstance(v, torch.Generator):
+                kept.append((v.set_state, v.get_state()))
+            elif isinstance(v, random.Random):
+                kept.append((v.setstate, v.getstate()))
+            elif isinstance(v, _PLAIN):
+                kept.append((functools.partial(vars(o).__setitem__, k), v))
+    if hasattr(type(getattr(loader, "dataset", None)), "__next__"):
+        warnings.warn(f"lr_find: the DataLoader's dataset is an iterator ({type(loader.dataset).__name__}): "
+                      "the sweep used up what it drew; give lr_find a loader of its own, or the dataset an "
+                      "__iter__ that starts afresh", UserWarning, stacklevel=4)
+    pool = getattr(loader, "persistent_workers", False)
+    if pool:  # the sweep gets workers of its own; the loader's (if any) come back
+        kept.append((functools.partial(setattr, loader, "_iterator"), loader._iterator))
+        loader._iterator = None
+
+    def put_back() -> None:
+        if pool and loader._iterator is not None:
+            loader._iterator._shutdown_workers()
+        for put, value in kept:
+            put(value)
+
+    return put_back
 
 
 # A deliberate private copy of runtime.py's RNG capture, so that this file works copied alone. It

@@ -11,6 +11,7 @@ import argparse
 import functools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import NoReturn
@@ -68,11 +69,10 @@ def _lr_factor(
     gamma: float = 1.0,
     min_lr_ratio: float = 0.0,
 ) -> float:
-    """Multiplier of the base lr before optimizer step `step`; past the end it holds its last value.
-
-    Module-level and bound with functools.partial so LambdaLR's state_dict stays picklable.
+    """Multiplier of the base lr before optimizer step `step` (< total_steps: _Counted holds the
+    last one past the end). Module-level and bound with functools.partial so LambdaLR's state_dict
+    stays picklable.
     """
-    step = min(step, total_steps - 1)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     k = step - warmup_steps
@@ -85,7 +85,60 @@ def _lr_factor(
 
 
 def _momentum(group: dict) -> float:
+    """The group's own momentum; the top of the cycle a onecycle schedule already set in it."""
+    if "max_momentum" in group:
+        return float(group["max_momentum"])
     return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
+
+
+class _Counted:
+    """What build_scheduler's schedules add to torch's LambdaLR and OneCycleLR.
+
+    Past total_steps they hold their last rate and warn once, instead of raising (OneCycleLR) or
+    running on silently. Loading a state sets the optimizer's rates (and onecycle's momentum) to
+    the saved step's, so the scheduler may be built before or after optimizer.load_state_dict().
+    """
+
+    schedule: str
+    total_steps: int
+
+    def get_lr(self) -> list:
+        step = self.last_epoch
+        if step > self.total_steps and not getattr(self, "_warned_past_end", False):
+            self._warned_past_end = True
+            warnings.warn(
+                f"the {self.schedule} schedule was stepped past its total_steps ({self.total_steps}) and "
+                "holds its last rate; the usual cause is a second scheduler.step() per epoch beside the "
+                "one after each optimizer step (optimizer_step makes that one)",
+                UserWarning,
+                stacklevel=4,
+            )
+        self.last_epoch = min(step, self.total_steps - 1)
+        try:
+            return super().get_lr()
+        finally:
+            self.last_epoch = step
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "use get_last_lr()": this call sets the rates
+            rates = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
+
+class _LambdaLR(_Counted, LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, factor, schedule: str, total_steps: int):
+        self.schedule, self.total_steps = schedule, total_steps
+        super().__init__(optimizer, factor)
+
+
+class _OneCycleLR(_Counted, OneCycleLR):
+    schedule = "onecycle"
 
 
 def _onecycle(
@@ -105,11 +158,15 @@ def _onecycle(
     peak, so it never exceeds what the user chose and plain SGD stays momentum-free.
     """
     groups = optimizer.param_groups
-    if max_lr is None:
-        max_lr = [float(group["lr"]) for group in groups]
+    # Each group's own peak: its lr, or the one a onecycle schedule left in it (a loaded state).
+    peaks = [float(group.get("max_lr", group["lr"])) for group in groups]
     lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
+    if max_lr is None:
+        lrs = peaks
     ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
     _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
+    if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
+        lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
     _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
     _check(not three_phase or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
     product = float(pct_start * total_steps)
@@ -121,7 +178,7 @@ def _onecycle(
     _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
     momenta = [_momentum(group) for group in groups]
     cycle = all(m > 0 for m in momenta)
-    return OneCycleLR(
+    return _OneCycleLR(
         optimizer,
         max_lr=lrs,
         total_steps=total_steps,
@@ -161,12 +218,15 @@ def build_scheduler(
     """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
 
     warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle,
-    whose warm phase is pct_start (default 0.3, torch's). Options equal to None take their
-    defaults: step uses step_size=ceil((total_steps - warmup_steps) / 3), gamma=0.1, i.e. decays
-    at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio (default 0) x base.
-    Lambda schedules hold their last value if stepped past the end; onecycle (torch's own)
-    raises after more than total_steps steps. To resume, build the optimizer and this
-    scheduler, then load the optimizer's state, then the scheduler's.
+    whose warm phase is pct_start (default 0.3, torch's); warmup needs one. Options equal to
+    None take their defaults: step uses step_size=ceil((total_steps - warmup_steps) / 3),
+    gamma=0.1, i.e. decays at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio
+    (default 0) x base. onecycle's max_lr: a list sets each param group's peak; a number is the
+    first group's, the others keeping the ratio of their lrs to its lr (as lr_find sweeps them);
+    None: each group's lr. (A peak that a onecycle schedule already set in a group, as a loaded
+    optimizer state holds, stands for the group's lr.) Stepped past total_steps, a schedule
+    holds its last rate and warns once. To resume, load the optimizer's state before or after
+    building this scheduler, then the scheduler's: the rate is the saved one either way.
     """
     _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
     _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
@@ -176,6 +236,10 @@ def build_scheduler(
     for key in options:
         _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
     options = {key: value for key, value in options.items() if value is not None}
+    _require(
+        name != "warmup" or warmup_steps >= 1 or total_steps == 1,
+        "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant",
+    )
     if name == "onecycle":
         _require(
             warmup_steps == 0,
@@ -194,7 +258,7 @@ def build_scheduler(
     factor = functools.partial(
         _lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps, **options
     )
-    return LambdaLR(optimizer, factor)
+    return _LambdaLR(optimizer, factor, name, total_steps)
 
 
 # The scale each GradScaler had after optimizer_step's last update(), so a fused optimizer's skip
@@ -213,36 +277,43 @@ def optimizer_step(
 ) -> bool:
     """Step the optimizer, then the scheduler only if the optimizer really stepped.
 
-    An fp16 GradScaler skips steps whose gradients hold inf/nan; advancing the schedule anyway
-    would shift it and trigger torch's "lr_scheduler.step() before optimizer.step()" warning.
-    Telling a skip costs at most one read from the device per step: a plain optimizer is only
-    called by scaler.step when the gradients are finite (its own read, which a step hook sees
-    for free); a fused one is always called and skips on the device, so the scale is read once
-    after update() and compared with the value remembered from the previous call (a skip
-    shrinks it; torch enforces backoff_factor < 1). Without a scaler (bf16, fp32) nothing is
-    read. clip_grad (None or 0 = off) clips the global grad norm of `parameters` (default: all
-    of the optimizer's), unscaled first. Gradients are not zeroed: call
-    optimizer.zero_grad(set_to_none=True) yourself. Returns whether the optimizer stepped.
+    An fp16 GradScaler skips steps whose gradients hold inf/nan, and a wrapper such as
+    accelerate's AcceleratedOptimizer skips silently between gradient syncs; advancing the
+    schedule anyway would run it ahead. A step counts when the torch optimizer inside any
+    wrappers (their `.optimizer`) ran its step and the wrapper does not report
+    `step_was_skipped`. While a wrapper's `gradient_state.sync_gradients` is False, the
+    half-accumulated gradients are neither unscaled nor clipped. Telling a skip costs at most one
+    read from the device per step: a plain optimizer is only called by scaler.step when the
+    gradients are finite (its own read, which a step hook sees for free); a fused one is always
+    called and skips on the device, so the scale is read once after update() and compared with
+    the value remembered from the previous call (a skip shrinks it; torch enforces
+    backoff_factor < 1). Without a scaler (bf16, fp32) nothing is read. clip_grad (None or 0 =
+    off) clips the global grad norm of `parameters` (default: all of the optimizer's), unscaled
+    first. Gradients are not zeroed: call optimizer.zero_grad(set_to_none=True) yourself.
+    Returns whether the optimizer stepped.
     """
     ok = clip_grad is None or (_is_real(clip_grad) and clip_grad >= 0)
     _check(ok, "clip_grad", "None or a number >= 0", clip_grad)
+    if not getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True):
+        scaler = clip_grad = None  # between gradient syncs: the wrapper's step() does nothing
     if clip_grad and parameters is None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    if scaler is None:
-        if clip_grad:
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-        optimizer.step()
-        stepped = True
-    else:
-        if clip_grad:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-        called: list[bool] = []
-        hook = optimizer.register_step_post_hook(lambda *_: called.append(True))
-        try:
+    called: list[bool] = []
+    hook = _innermost(optimizer).register_step_post_hook(lambda *_: called.append(True))
+    try:
+        if scaler is None:
+            if clip_grad:
+                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+            optimizer.step()
+        else:
+            if clip_grad:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
             scaler.step(optimizer)
-        finally:
-            hook.remove()
+    finally:
+        hook.remove()
+    stepped = bool(called) and not getattr(optimizer, "step_was_skipped", False)
+    if scaler is not None:
         # GradScaler's own test for an optimizer that takes found_inf and skips on the device
         skips_on_device = scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False)
         before = _scale_after_update.get(scaler) if skips_on_device else None
@@ -252,12 +323,18 @@ def optimizer_step(
         if skips_on_device:
             after = scaler.get_scale()
             _scale_after_update[scaler] = after
-            stepped = after >= before
-        else:
-            stepped = bool(called)
+            stepped = stepped and after >= before
     if stepped and scheduler is not None:
         scheduler.step()
     return stepped
+
+
+def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers that keep it in `.optimizer` (accelerate's
+    AcceleratedOptimizer and the like). lr_find.py has its own copy: each file works alone."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 # pragma: no mutate block (the preview CLI below is not in the mutation score; README, Testing)

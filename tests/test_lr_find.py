@@ -278,15 +278,24 @@ def test_tensor_lr_is_swept_in_place_and_restored():
 
 
 class CountingLoader:
-    """A re-iterable custom loader that counts batches and passes."""
+    """A re-iterable custom loader that counts batches and passes (in a list: lr_find puts a
+    loader's plain attributes back, counters included)."""
 
     def __init__(self, batches):
-        self.batches, self.served, self.passes = batches, 0, 0
+        self.batches, self.log = batches, []
+
+    @property
+    def served(self):
+        return self.log.count("batch")
+
+    @property
+    def passes(self):
+        return self.log.count("pass")
 
     def __iter__(self):
-        self.passes += 1
+        self.log.append("pass")
         for b in self.batches:
-            self.served += 1
+            self.log.append("batch")
             yield b
 
 
@@ -346,14 +355,17 @@ def test_accumulation_changes_lr_once_per_optimizer_step():
 
 
 def scripted_loss(values, optimizer=None):
-    """A loss_fn whose value is scripted (by call count or by the current lr), gradient zero."""
+    """A loss_fn whose value is scripted (by call count or by the current lr) exactly, with the
+    gradient of the outputs' sum, so that the weights move (a sweep whose weights stay put gives
+    no suggestion)."""
     calls = []
 
     def loss_fn(out, y):
         i = len(calls)
         calls.append(i)
         v = values(optimizer.param_groups[0]["lr"]) if optimizer is not None else values[i]
-        return out.sum() * 0 + v
+        total = out.sum()
+        return total - total.detach() + v
 
     return loss_fn
 
@@ -497,6 +509,9 @@ BAD_INPUTS = [
     ({"method": "fastest"}, "method"),
     ({"schedule": "linear"}, "schedule"),
     ({"min_iter_before_stop": -1}, "min_iter_before_stop"),
+    ({"step_mode": "cubic"}, "^step_mode must be 'exp' or 'linear', got 'cubic'$"),
+    ({"optimizer_kind": "adam"},
+     "^optimizer_kind must be None .told from the optimizer., 'sgd' or 'adaptive', got 'adam'$"),
     ({"loader": []}, "loader"),
     ({"model": "frozen"}, "^model has no trainable parameters$"),
     ({"optimizer": "empty"}, "^optimizer has no parameters$"),
@@ -724,7 +739,7 @@ def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
 
     result = lf.lr_find(model, optimizer, loss_fn, [(torch.ones(2, 1), torch.zeros(2, 1))], num_iter=10,
                         end_lr=1e-2)
-    assert seen == [[lr, lr] for lr in result.lrs]
+    assert seen == [[lr, lr] for lr in result.lrs] and (result.lrs[0], result.lrs[-1]) == (1e-7, 1e-2)
 
 
 def test_tensor_lrs_of_two_groups_keep_their_ratio():
@@ -877,6 +892,52 @@ def test_no_suggestion_warning_points_at_the_caller():
     assert [str(w.message) for w in caught] == [
         "lr_find: no suggestion, the loss was still falling at the end of the sweep (raise end_lr)"]
     assert caught[0].filename == __file__
+    stuck = lf.LRFindResult(**{**vars(bowl_sweep()), "why_none": "every step was skipped"})
+    with pytest.warns(UserWarning) as caught:
+        stuck.suggest()
+    assert caught[0].filename == __file__
+
+
+def test_the_loader_warning_points_at_the_caller():
+    data = torch.utils.data.TensorDataset(torch.ones(4, 1), torch.zeros(4, 1))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return data[0]
+
+    model, optimizer, _ = probe_setup()
+    with pytest.warns(UserWarning, match="dataset is an iterator") as caught:
+        lf.lr_find(model, optimizer, F.mse_loss, torch.utils.data.DataLoader(Stream(), batch_size=2),
+                   num_iter=10, end_lr=1e-2, diverge=1e9)
+    assert caught[0].filename == __file__
+
+
+def test_a_sweep_that_never_stepped_suggests_nothing_by_any_rule():
+    """Its losses alone would give a suggestion: the reason it gave none stands for every rule."""
+    result = bowl_sweep()
+    assert all(result.suggest(m) is not None for m in lf.METHODS)
+    stuck = lf.LRFindResult(**{**vars(result), "why_none": "every step was skipped (by a GradScaler)"})
+    for method in lf.METHODS:
+        with pytest.warns(UserWarning) as caught:
+            assert stuck.suggest(method) is None
+        assert [str(w.message) for w in caught] == [f"lr_find: no suggestion, {stuck.why_none}"]
+    with pytest.raises(ValueError, match="method must be one of"):
+        stuck.suggest("best")
+    rebuilt = lf._result(result.lrs, result.losses, result.smoothed, "completed", "cosine", None, "sgd")
+    assert rebuilt.optimizer_kind_from == "" and rebuilt.group_lrs == [[lr] for lr in result.lrs]
+
+
+def test_the_last_rate_is_the_end_rate_exactly():
+    """1e-5 * (1.0 / 1e-5) and 0.03 + (0.3 - 0.03) are not 1.0 and 0.3 in floating point."""
+    model, optimizer, loader = linear_setup()
+    exp = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=1e-5, end_lr=1.0, num_iter=10,
+                     diverge=1e9)
+    linear = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=[0.03, 0.03], end_lr=[0.3, 0.3],
+                        num_iter=10, diverge=1e9, step_mode="linear")
+    assert exp.lrs[-1] == 1.0 and linear.group_lrs[-1] == [0.3, 0.3]
 
 
 # --- the curve the rules read, and the rules, on hand-made curves ---------------------------------
@@ -942,6 +1003,7 @@ def test_only_a_non_finite_loss_past_the_last_finite_one_is_a_blow_up():
         assert lf.suggest_lr(lrs, falling[:20] + [math.nan] + falling[21:]) is None
     assert not lf.suggestion_curve(lrs, [math.nan, *falling[1:]]).exploded
     assert lf.suggestion_curve(lrs, [*falling[:-1], math.nan]).exploded
+    assert not lf.suggestion_curve([*lrs, lrs[-1]], [*falling, math.nan]).exploded, "at the same lr: no"
 
 
 def hand_curve(loss: list[float], first: int = 2, spacing: float = 0.1, exploded: bool = False,
@@ -988,11 +1050,15 @@ def test_save_sweep_writes_the_record_the_plot_and_one_tensorboard_image(tmp_pat
     peak, base = result.suggestions["peak"], result.suggestions["base"]
     assert record == {
         "lrs": result.lrs, "losses": [*result.losses[:-1], None], "smoothed": [*result.smoothed[:-1], None],
+        "train_losses": None, "group_lrs": [[lr] for lr in result.lrs],
         "stop_reason": "non-finite loss", "schedule": "cosine", "suggestion": base[0], "method": "min/3",
-        "optimizer_kind": "sgd", "config": {"seed": 3},
-        "suggestions": {"peak": {"lr": peak[0], "method": "minimum", "schedules": ["onecycle"]},
+        "why_none": None, "optimizer_kind": "sgd",
+        "optimizer_kind_from": "SGD: no betas, eps or etas", "config": {"seed": 3},
+        "suggestions": {"peak": {"lr": peak[0], "method": "minimum", "schedules": ["onecycle"],
+                                 "group_lrs": [peak[0]]},
                         "base": {"lr": base[0], "method": "min/3",
-                                 "schedules": ["constant", "step", "cosine", "warmup"]}}}
+                                 "schedules": ["constant", "step", "cosine", "warmup"],
+                                 "group_lrs": [base[0]]}}}
     png = (out / "lr_find.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (840, 540)
     events = EventAccumulator(str(out / "lr_find"), size_guidance={"images": 0})
@@ -1071,3 +1137,226 @@ def test_plot_looks_as_described():
     legend = ax.get_legend()
     assert legend._loc == matplotlib.legend.Legend.codes["lower left"]
     assert legend.get_texts()[0].get_fontsize() == FontProperties(size="small").get_size_in_points()
+
+
+# --- the optimizer's kind, the peers' modes, saved sweeps (issue 23) ------------------------------
+
+
+def one_weight(param=None) -> list:
+    return [param if param is not None else nn.Parameter(torch.zeros(2, 2))]
+
+
+KINDS = [
+    ("SGD", {"momentum": 0.9, "nesterov": True}, "sgd", "no betas, eps or etas"),
+    ("ASGD", {}, "sgd", "no betas, eps or etas"),
+    ("LBFGS", {}, "sgd", "no betas, eps or etas"),
+    ("Adam", {}, "adaptive", "betas, eps"),
+    ("AdamW", {"fused": True}, "adaptive", "betas, eps"),
+    ("Adamax", {}, "adaptive", "betas, eps"),
+    ("NAdam", {}, "adaptive", "betas, eps"),
+    ("RAdam", {}, "adaptive", "betas, eps"),
+    ("SparseAdam", {}, "adaptive", "betas, eps"),
+    ("RMSprop", {"momentum": 0.9}, "adaptive", "eps"),
+    ("Adagrad", {}, "adaptive", "eps"),
+    ("Adadelta", {}, "adaptive", "eps"),
+    ("Adafactor", {}, "adaptive", "eps"),
+    ("Rprop", {}, "adaptive", "etas"),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "kind", "how"), KINDS, ids=[k[0] for k in KINDS])
+def test_the_optimizer_kind_is_told_from_its_defaults(name, options, kind, how):
+    optimizer = getattr(torch.optim, name)([nn.Parameter(torch.zeros(2, 2))], lr=0.01, **options)
+    assert lf._classify(optimizer) == (kind, f"{name}: {how}")
+
+
+def test_a_third_party_optimizer_and_a_wrapper_are_told_alike():
+    class Lion(torch.optim.Optimizer):  # lucidrains/lion-pytorch's defaults: a sign update with betas
+        def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+            super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    inner = Lion([nn.Parameter(torch.zeros(2))])
+    assert lf._classify(inner) == ("adaptive", "Lion: betas")
+    wrapper = Wrapper(inner)
+    assert lf._chain(wrapper) == [wrapper, inner]
+    assert lf._classify(wrapper) == ("adaptive", "Lion in Wrapper: betas")
+    twice = Wrapper(wrapper)
+    assert lf._chain(twice) == [twice], "only an Optimizer in .optimizer is unwrapped"
+
+
+@pytest.mark.parametrize("given", ["sgd", "adaptive"])
+def test_an_explicit_optimizer_kind_overrides_and_is_recorded(given, tmp_path):
+    model, _, loader = probe_setup()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = lf.lr_find(model, optimizer, scripted_loss(bowl, optimizer), loader, start_lr=1e-5,
+                        diverge=1e9, optimizer_kind=given)
+    assert (result.optimizer_kind, result.optimizer_kind_from) == (given, "optimizer_kind argument")
+    assert result.method == lf.DEFAULT_RULES[given]["peak"]
+    lf.save_sweep(result, {}, tmp_path, extra={"task": "digits", "config": {"seed": 1}})
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    assert (record["optimizer_kind"], record["optimizer_kind_from"]) == (given, "optimizer_kind argument")
+    assert record["task"] == "digits" and record["config"] == {"seed": 1}, "extra's keys join the record"
+
+
+def scripted_train_and_val(train_values, val_of_lr, optimizer):
+    """A loss_fn scripted by call count in train mode and by the lr in eval mode (the val pass)."""
+    train_loss = scripted_loss(train_values)
+
+    def loss_fn(out, y):
+        if torch.is_grad_enabled():
+            return train_loss(out, y)
+        return out.sum() * 0 + val_of_lr(optimizer.param_groups[0]["lr"])
+
+    return loss_fn
+
+
+def test_a_validation_sweep_stops_and_suggests_on_the_validation_curve():
+    model, optimizer, loader = probe_setup()
+    val_loader = [(torch.ones(2, 1), torch.zeros(2, 1))] * 3
+    train = [2.0 - 0.01 * i for i in range(50)]  # still falling: alone it would suggest nothing
+    loss_fn = scripted_train_and_val(train, bowl, optimizer)
+    result = lf.lr_find(model, optimizer, loss_fn, loader, start_lr=1e-5, val_loader=val_loader)
+    assert result.train_losses == pytest.approx(train[: len(result.lrs)])
+    assert result.losses == pytest.approx([bowl(lr) for lr in result.lrs], rel=1e-6)
+    assert result.stop_reason == "diverged" and len(result.lrs) < 50, "the validation loss blew up"
+    assert result.suggestion == result.suggest() == lf.suggest_lr(result.lrs, result.losses) is not None
+    pytest.importorskip("matplotlib")
+    assert lf.plot_lr_find(result).axes[0].get_ylabel() == "validation loss"
+    assert lf.plot_lr_find(bowl_sweep()).axes[0].get_ylabel() == "loss"
+
+
+def test_a_validation_loss_is_the_mean_over_the_val_loader_in_eval_mode_after_the_step():
+    model = make_convnet()
+    optimizer = make_optimizer("sgd", model)
+    train, val = make_batches(4, seed=1), make_batches(3, seed=2)
+    model[3].eval()
+    before = snapshot(model, optimizer)
+    expected = []
+
+    def progress(i, lr, loss):  # runs right after step i (no read lag on the CPU)
+        model.eval()
+        with torch.no_grad():
+            expected.append(sum(F.cross_entropy(model(x), y) for x, y in val) / len(val))
+        model.train()
+
+    result = lf.lr_find(model, optimizer, F.cross_entropy, train, val_loader=val, num_iter=12, end_lr=1.0,
+                        progress=progress)
+    assert result.losses == [float(v) for v in expected]
+    assert result.train_losses != result.losses and len(result.train_losses) == 12
+    assert_restored(before, model, optimizer)
+    with pytest.raises(ValueError, match="^val_loader is empty: it yielded no batches$"):
+        lf.lr_find(model, optimizer, F.cross_entropy, train, val_loader=[], num_iter=12)
+    assert_restored(before, model, optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_a_linear_sweep_and_per_group_rates():
+    model, optimizer, loader = linear_setup()  # groups at 1e-3 and 3e-3
+    linear = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=0.01, end_lr=0.1, num_iter=10,
+                        step_mode="linear", diverge=1e9)
+    assert linear.lrs == pytest.approx([0.01 + 0.01 * i for i in range(10)], rel=1e-12)
+    assert (linear.lrs[0], linear.lrs[-1]) == (0.01, 0.1)
+    assert [b for _, b in linear.group_lrs] == pytest.approx([3 * a for a in linear.lrs], rel=1e-12)
+    own = lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=[1e-4, 1e-2], end_lr=[1e-1, 1.0],
+                     num_iter=10, diverge=1e9)
+    assert own.lrs == pytest.approx([1e-4 * 1000 ** (i / 9) for i in range(10)], rel=1e-12)
+    second = [1e-2 * 100 ** (i / 9) for i in range(10)]
+    assert [b for _, b in own.group_lrs] == pytest.approx(second, rel=1e-12)
+    assert own.group_lrs[0] == [1e-4, 1e-2] and own.group_lrs[-1] == [1e-1, 1.0]
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 3e-3]
+
+
+def test_per_group_suggestions_take_the_ratio_at_the_nearest_step():
+    result = lf.LRFindResult([1e-3, 1e-2, 1e-1], [1.0] * 3, [1.0] * 3, 0.012, "completed", "minimum",
+                             suggestions={"peak": (0.012, "minimum"), "base": (0.004, "min/3")},
+                             group_lrs=[[1e-3, 1e-3], [1e-2, 2e-2], [1e-1, 4e-1]])
+    assert result.for_groups() == [0.012, 0.024]
+    assert result.for_groups("cosine") == [0.004, 0.008]  # nearer 1e-2 than 1e-3 in log lr
+    assert lf.LRFindResult(**{**vars(result), "suggestions": {"peak": (2e-3, "minimum")}}).for_groups() == [
+        2e-3, 2e-3]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        result.for_groups("linear")
+    bare = lf.LRFindResult([1e-3], [1.0], [1.0], 0.5, "completed", "minimum",
+                           suggestions={"peak": (0.5, "minimum")})
+    assert bare.for_groups() == [0.5], "a result built without group_lrs: one group"
+
+
+LISTS = "start_lr and end_lr as lists need one rate each per param group (2), got "
+
+
+@pytest.mark.parametrize(("start_lr", "end_lr", "message"), [
+    ([1e-5], [1.0], LISTS + "start_lr=[1e-05], end_lr=[1.0]"),
+    ([1e-5, 1e-5], 1.0, LISTS + "start_lr=[1e-05, 1e-05], end_lr=1.0"),
+    ([1e-5, 1e-4], [1.0], LISTS + "start_lr=[1e-05, 0.0001], end_lr=[1.0]"),
+    ([1e-5, 2.0], [1.0, 1.0],
+     "start_lr and end_lr need 0 < start_lr < end_lr < inf, got start_lr=[1e-05, 2.0], end_lr=[1.0, 1.0]"),
+])
+def test_bad_per_group_rates_name_them(start_lr, end_lr, message):
+    model, optimizer, loader = linear_setup()
+    with pytest.raises(ValueError) as info:
+        lf.lr_find(model, optimizer, F.mse_loss, loader, start_lr=start_lr, end_lr=end_lr)
+    assert str(info.value) == message
+
+
+def test_suggest_lr_reads_lr_find_json_with_its_nulls(tmp_path):
+    result = bowl_sweep()
+    assert math.isinf(result.losses[-1]) and result.suggest() is not None
+    lf.save_sweep(result, {}, tmp_path)
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    assert record["losses"][-1] is None
+    for method in lf.METHODS:
+        assert lf.suggest_lr(record["lrs"], record["losses"], method) == result.suggest(method)
+
+
+def test_a_loaders_generators_and_sampler_state_come_back():
+    class Sampler(torch.utils.data.Sampler):
+        """A sampler keeping a Python RNG and an epoch counter of its own."""
+
+        def __init__(self, n):
+            self.n, self.rng, self.epoch = n, random.Random(3), 0
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            self.epoch += 1
+            return iter(self.rng.sample(range(self.n), self.n))
+
+    class Batches(torch.utils.data.Sampler):
+        """A batch sampler of its own: batches of 4 in the order its sampler gives, and an epoch count."""
+
+        def __init__(self, sampler):
+            self.sampler, self.epoch = sampler, 0
+
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            self.epoch += 1
+            order = list(self.sampler)
+            return iter([order[i:i + 4] for i in range(0, 12, 4)])
+
+    data = torch.utils.data.TensorDataset(torch.randn(12, 1), torch.randn(12, 1))
+
+    def orders(sweep: bool) -> tuple:
+        g = torch.Generator().manual_seed(1)
+        samplers = [Sampler(12), Sampler(12), Batches(Sampler(12))]
+        loaders = [torch.utils.data.DataLoader(data, batch_size=4, sampler=samplers[0]),
+                   torch.utils.data.DataLoader(data, batch_size=None, sampler=samplers[1]),
+                   torch.utils.data.DataLoader(data, batch_sampler=samplers[2]),
+                   torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=g)]
+        if sweep:
+            model, optimizer, _ = probe_setup()
+            for loader in loaders:
+                lf.lr_find(model, optimizer, F.mse_loss, loader, num_iter=10, end_lr=1e-2, diverge=1e9,
+                           val_loader=loaders[-1])
+        seen = [torch.cat([x.reshape(-1) for x, _ in loader]) for loader in loaders]
+        return seen, [s.epoch for s in [*samplers, samplers[2].sampler]]
+
+    (swept, swept_epochs), (plain, plain_epochs) = orders(True), orders(False)
+    assert all(torch.equal(a, b) for a, b in zip(swept, plain, strict=True))
+    assert swept_epochs == plain_epochs == [1, 1, 1, 1]

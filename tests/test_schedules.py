@@ -60,8 +60,14 @@ CASES = [(1, 0, 1), (2, 1, 1), (10, 0, 3), (10, 9, 2), (17, 4, 5), (12, 3, 20), 
 def test_lambda_schedules_match_closed_form(name, T, W, step_size):
     options = {"step": {"step_size": step_size, "gamma": 0.5}, "cosine": {"min_lr_ratio": 0.1}}
     _, opt = make_optimizer()
+    if name == "warmup" and W == 0 and T > 1:
+        with pytest.raises(ValueError, match="warmup_steps must be >= 1 for warmup"):
+            build_scheduler(opt, name, T, warmup_steps=W)
+        return
     sched = build_scheduler(opt, name, T, warmup_steps=W, **options.get(name, {}))
-    seen = run(opt, sched, T + 3)
+    with pytest.warns(UserWarning, match="past its total_steps") as caught:  # the 3 steps too many
+        seen = run(opt, sched, T + 3)
+    assert len(caught) == 1
     for k in range(T + 3):
         for g, base in enumerate(BASES):
             want = closed_form(name, min(k, T - 1), base, T, W, step_size, 0.5, 0.1)
@@ -250,23 +256,93 @@ RESUME = [
 
 @pytest.mark.parametrize(("name", "W", "options"), RESUME)
 @pytest.mark.parametrize("j", [1, 5, 11])
-def test_resume_matches_uninterrupted_run(name, W, options, j):
+@pytest.mark.parametrize("order", ["build-then-load", "load-then-build"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_resume_matches_uninterrupted_run(name, W, options, j, order, kind):
+    """The optimizer's state loaded before or after building the scheduler (imagenet/main.py builds
+    it late, since it needs len(loader)), then the scheduler's: the same rates and momenta."""
     assert {case[0] for case in RESUME} == set(SCHEDULES)
-    T = 12
-    _, opt = make_optimizer()
-    full = run(opt, build_scheduler(opt, name, T, warmup_steps=W, **options), T, "lr", "momentum")
-    _, opt = make_optimizer()
+    T, key = 12, "betas" if kind == "adam" else "momentum"
+    _, opt = make_optimizer(kind)
+    full = run(opt, build_scheduler(opt, name, T, warmup_steps=W, **options), T, "lr", key)
+    _, opt = make_optimizer(kind)
     sched = build_scheduler(opt, name, T, warmup_steps=W, **options)
-    first = run(opt, sched, j, "lr", "momentum")
+    first = run(opt, sched, j, "lr", key)
     buffer = io.BytesIO()
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    _, opt = make_optimizer()
+    _, opt = make_optimizer(kind)
+    if order == "load-then-build":
+        opt.load_state_dict(state["optimizer"])
     sched = build_scheduler(opt, name, T, warmup_steps=W, **options)
-    opt.load_state_dict(state["optimizer"])
+    if order == "build-then-load":
+        opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
-    assert first + run(opt, sched, T - j, "lr", "momentum") == full
+    assert first + run(opt, sched, T - j, "lr", key) == full
+
+
+@pytest.mark.parametrize("name", ["cosine", "onecycle"])
+@pytest.mark.parametrize("order", ["build-then-load", "load-then-build"])
+def test_resume_with_a_tensor_lr(name, order):
+    """An lr held in a tensor (Adam's capturable runs) gets the saved rate in place."""
+    def make():
+        torch.manual_seed(0)
+        return torch.optim.Adam(nn.Linear(2, 2).parameters(), lr=torch.tensor(0.01), foreach=False)
+
+    opt = make()
+    full = [float(step[0]) for step in run(opt, build_scheduler(opt, name, 10), 10)]
+    opt = make()
+    sched = build_scheduler(opt, name, 10)
+    run(opt, sched, 4)
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    opt = make()
+    if order == "load-then-build":
+        opt.load_state_dict(state["optimizer"])
+    sched = build_scheduler(opt, name, 10)
+    if order == "build-then-load":
+        opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert [float(step[0]) for step in run(opt, sched, 6)] == full[4:]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_schedule_stepped_past_its_end_holds_its_last_rate_and_warns_once(name):
+    _, opt = make_optimizer()
+    sched = build_scheduler(opt, name, 6, warmup_steps=2 if name == "warmup" else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        last = run(opt, sched, 6)[-1]  # a whole run: 6 scheduler steps, the last after the last step
+    with pytest.warns(UserWarning) as caught:
+        held = run(opt, sched, 4)
+    assert held == [last] * 4
+    assert [str(w.message) for w in caught] == [
+        f"the {name} schedule was stepped past its total_steps (6) and holds its last rate; the usual cause "
+        "is a second scheduler.step() per epoch beside the one after each optimizer step (optimizer_step "
+        "makes that one)"]
+
+
+def test_the_past_end_warning_points_at_the_caller():
+    _, opt = make_optimizer()
+    sched = build_scheduler(opt, "cosine", 1)
+    sched.step()
+    with pytest.warns(UserWarning) as caught:
+        sched.step()
+    assert caught[0].filename == __file__
+
+
+def test_onecycle_peaks_per_group():
+    """A number is the first group's peak, the others keeping their ratio (0.1 : 0.03); a list sets
+    each; None takes each group's lr, or the peak a onecycle schedule left in a loaded state."""
+    for max_lr, peaks in ((1.0, [1.0, 0.3]), ([0.5, 0.05], [0.5, 0.05]), (None, list(BASES))):
+        _, opt = make_optimizer()
+        build_scheduler(opt, "onecycle", 10, max_lr=max_lr)
+        assert [g["max_lr"] for g in opt.param_groups] == pytest.approx(peaks, rel=1e-12)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.0}, {"params": [model.bias], "lr": 0.1}])
+    build_scheduler(opt, "onecycle", 10, max_lr=0.2)
+    assert [g["max_lr"] for g in opt.param_groups] == [0.2, 0.2], "no ratio to a first group at 0"
 
 
 def test_clip_grad_zero_is_off():
@@ -343,6 +419,10 @@ BAD = [
      "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start"),
     ("cosine", 10, {"gamma": 0.1}, "unknown option 'gamma' for cosine; accepted: ['min_lr_ratio']"),
     ("constant", 10, {"step_size": 2}, "unknown option 'step_size' for constant; accepted: []"),
+    ("warmup", 10, {}, "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is "
+                       "constant"),
+    ("warmup", 2, {}, "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is "
+                      "constant"),
 ]
 
 
