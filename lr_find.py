@@ -1,10 +1,9 @@
 """Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule.
 
-One sweep serves every schedule, but not with one number: onecycle's peak tolerates rates up to
-where the sweep's loss bottoms out; schedules that start at their full rate need less, and with an
-Adam-like optimizer much less. All a sweep touches is put back bit for bit. The library needs only
-torch (matplotlib and TensorBoard only to draw), so this file can be copied alone.
-"""
+One sweep serves every schedule, but not with one number: onecycle's peak tolerates rates up to where
+the loss bottoms out; schedules that start at their full rate need less, Adam-like optimizers much
+less. All a sweep touches is put back bit for bit. The library needs torch alone (matplotlib and
+TensorBoard to draw), so this file can be copied alone; `python lr_find.py` sweeps train.py's setup."""
 
 from __future__ import annotations
 
@@ -31,11 +30,9 @@ import torch
 # What each schedule takes from a sweep: onecycle its peak, the others the rate they start at.
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
-# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (README, "Learning rate"):
-# started at full rate with no warmup, Adam-like optimizers blow up well below the sweep's bottom,
-# and even under onecycle's warmup their best peak sits a little below it.
-DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"},
-                 "adaptive": {"peak": "min/3", "base": "min/10"}}
+# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (README): started at full
+# rate, Adam-like optimizers blow up well below the sweep's bottom; even onecycle's best peak is lower.
+DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
@@ -54,20 +51,18 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer_kind: str | None = None) -> LRFindResult:
     """Train with a growing lr and record the loss of every optimizer step.
 
-    Batches go to ``device`` whole (tensors in mappings, lists, tuples; a BatchEncoding or any object
-    with a ``.to`` moves itself). The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs,
-    targets)`` batches, else ``batch_loss(model, batch)``, e.g. ``lambda model, batch:
-    model(**batch).loss``. Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or
-    a straight line: ``step_mode="linear"``) on the first param group, the others keeping their
-    ratio to it; lists of rates give each group its own. With ``val_loader`` a step's loss is the
-    mean over it after the step, in eval mode. The sweep stops at a non-finite loss, or (from step
-    ``min_iter_before_stop`` on) once the smoothed loss passes ``diverge`` times its best or
-    ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` times their lowest running median of five.
-    All it touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's
-    generators, samplers and persistent workers (an iterator is used up). ``progress(i, lr, loss)``
-    sees each step. ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None:
-    told from the optimizer) or by ``method``; there is none if no step happened or no weight moved.
-    """
+    Batches go to ``device`` whole (a BatchEncoding, or any object with a ``.to``, moves itself). The
+    loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, else ``batch_loss(
+    model, batch)``, e.g. ``lambda model, batch: model(**batch).loss``. Step i of n sets ``start_lr *
+    (end_lr / start_lr) ** (i / (n - 1))`` (``step_mode="linear"``: a straight line) on the first
+    group, the others keeping their ratio; lists of rates give each group its own. With ``val_loader``
+    a step's loss is its mean over it, in eval mode. The sweep stops at a non-finite loss, or (from
+    step ``min_iter_before_stop``) once the smoothed loss passes ``diverge`` x its best, or
+    ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x their lowest running median of five. All
+    it touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's generators,
+    samplers and workers (an iterator is used up). ``progress(i, lr, loss)`` sees each step.
+    ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None: told from the
+    optimizer) or by ``method``; none if no step happened or no weight moved."""
     _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
                 num_iter, smooth, diverge, accum_steps, min_iter_before_stop)
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
@@ -108,9 +103,8 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 @dataclass
 class LRFindResult:
-    """Per step: ``lrs`` (the first param group's), ``group_lrs``, ``losses`` (with a val_loader its
-    loss; ``train_losses`` the training one), ``smoothed`` (what the stop rule watches; NaN at a
-    non-finite loss). ``suggestions``: "peak" and "base" to (lr or None, rule)."""
+    """Per step: ``lrs`` (the first group's), ``group_lrs``, ``losses`` (a val_loader's; ``train_losses``
+    the training ones), ``smoothed`` (what stops it). ``suggestions``: "peak", "base" to (lr, rule)."""
 
     lrs: list[float]
     losses: list[float]
@@ -229,8 +223,7 @@ METHODS = tuple(RULES)
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None) -> list[Any]:
     """Write lr_find.json (``extra``'s keys join its record), lr_find.png and the same picture to
     TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr means
-    much). The one writer for `python lr_find.py` and `train.py --lr find`; returns what it wrote.
-    An OSError names the file."""
+    much); returns what it wrote. An OSError names the file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
@@ -290,95 +283,71 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
     return ax.figure
 
 
-
-
 # --- the command line -------------------------------------------------------------------------
 # pragma: no mutate start (the CLI is not in the mutation score; README, Testing)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python lr_find.py [--config X.toml] [--flag value ...]`: sweep the setup that train.py builds
-    from the same flags, save the sweep and print the suggestions."""
+    """`python lr_find.py [--config X.toml] [--flag ...]`: sweep train.py's setup, save it, suggest."""
     try:
         from tqdm import tqdm
 
         import distributed
         import task
-        from configs import UserError, command_line, exit_with_error, parse_config
+        from checkpoints import check_writable_dir
+        from configs import command_line, exit_with_error, parse_config
         from data import build_loaders
-        from models import amp_setup, build_model, build_optimizer
+        from models import amp_setup, build_model
     except ImportError as err:
         raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
-                         f"files ({err.name} is missing); the library part, `from lr_find import lr_find`, "
-                         "works in this file alone") from None
-
+                         f"files ({err.name} is missing); `from lr_find import lr_find` works alone") from err
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and os.environ.get("RANK", "0") != "0":
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
     try:  # the data, model and optimizer that train.py builds from the same flags
-        from checkpoints import check_writable_dir
-
         cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
-        if world_size > 1:
-            print(f"lr_find.py: one sweep is enough: rank 0 runs it, the other {world_size - 1} processes "
-                  "exit")
         check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
         device = distributed.pick_device(cfg.device)
         torch.manual_seed(cfg.seed)
         batches, _, info = build_loaders(cfg, device)
         model = build_model(cfg, info.input_shape[0], len(info.names), device)
         amp_dtype, scaler = amp_setup(device, cfg.amp)
-        optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
         with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:
-            result, wrote, why = sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler, device,
-                                             progress=lambda i, lr, loss: bar.update())
-    except UserError as err:
+            result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
+                                        progress=lambda i, lr, loss: bar.update())
+    except ValueError as err:  # a UserError, or lr_find's check of its arguments
         exit_with_error(str(err))
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
-          f"{result.stop_reason}; wrote {', '.join(map(str, wrote))}")
+          f"{result.stop_reason}{'; rank 0 runs it' * (world_size > 1)}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
-        exit_with_error(f"no learning rate suggested ({why}); widen --find-start-lr/--find-end-lr or raise "
-                        "--find-iters, and look at lr_find.png", status=1)
+        exit_with_error(f"no learning rate suggested ({result.why_none}); widen --find-start-lr/"
+                        "--find-end-lr or raise --find-iters, and look at lr_find.png", status=1)
     others = "".join(f"; for {'/'.join(_SERVED[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
                      in result.suggestions.items() if lr and f != SCHEDULES[result.schedule])
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
-    not_for_training = [name for name in cfg.to_dict() if name == "lr" or name.startswith("find_")]
-    print(f"next: {command_line('train.py', cfg, leave_out=tuple(not_for_training))} --lr auto")
+    sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
+    print(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
 
 
-def sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler, device, batches_per_step: int = 1,
-                progress=None) -> tuple[LRFindResult, list, str | None]:
-    """The range test on train.py's model, data, task loss and a sweep `optimizer`, as `python
-    lr_find.py` and `train.py --lr find` both run it, and its files written: (result, what it wrote,
-    why there is no suggestion). Its record names the task, so --lr auto refuses another task's sweep.
-    Under torchrun (train.py's --lr find), rank 0 sweeps with `batches_per_step` of its batches a step."""
+def sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device, batches_per_step: int = 1,
+                progress=None) -> tuple[LRFindResult, list]:
+    """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 with
+    `batches_per_step` batches a step), and what it wrote: a record naming the task, for --lr auto."""
     from checkpoints import reporting_write_errors
-    from configs import UserError
+    from configs import task_identity
+    from models import OPTIMIZERS, build_optimizer
 
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
-    try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.closing(stream):
-            warnings.simplefilter("always")
-            result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg), stream,
-                             start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
-                             accum_steps=cfg.accum_steps * batches_per_step, autocast_dtype=amp_dtype,
-                             scaler=scaler, device=device, schedule=cfg.schedule, progress=progress,
-                             method=None if cfg.find_method == "auto" else cfg.find_method)
-    except ValueError as err:  # lr_find's checks of its arguments
-        raise UserError(str(err)) from None
+    optimizer, loss = build_optimizer(model, cfg, cfg.find_start_lr), functools.partial(task.loss, cfg=cfg)
+    with contextlib.closing(stream):
+        result = lr_find(model, optimizer, loss, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
+                         num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * batches_per_step,
+                         autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
+                         method=None if cfg.find_method == "auto" else cfg.find_method, progress=progress,
+                         optimizer_kind=OPTIMIZERS[cfg.optimizer].kind)
     with reporting_write_errors(cfg.out_dir):
-        wrote = save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir)
-    why = "; ".join(str(w.message).removeprefix("lr_find: no suggestion, ") for w in caught) or None
-    return result, wrote, why
-
-
-def task_identity(task) -> dict:
-    """The task a sweep measured: its name and a hash of its source, so that an edited loss counts."""
-    import hashlib
-    import inspect
-
-    return {"name": task.NAME, "source": hashlib.sha256(inspect.getsource(task).encode()).hexdigest()[:16]}
+        return result, save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir)
 
 
 # pragma: no mutate end
@@ -392,19 +361,17 @@ def _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mo
         return isinstance(v, int) and v >= low
 
     for ok, message in [
-        ((loss_fn is None) != (batch_loss is None), "pass one of loss_fn(outputs, targets) and "
-                                                    "batch_loss(model, batch), not both or neither"),
+        ((loss_fn is None) != (batch_loss is None), "pass loss_fn(outputs, targets) or batch_loss(model, b)"),
         (schedule in SCHEDULES, f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}"),
         (method is None or method in RULES, f"method must be one of {METHODS}, got {method!r}"),
         (step_mode in ("exp", "linear"), f"step_mode must be 'exp' or 'linear', got {step_mode!r}"),
-        (optimizer_kind in (None, *DEFAULT_RULES), f"optimizer_kind must be None (told from the optimizer), "
-                                                   f"'sgd' or 'adaptive', got {optimizer_kind!r}"),
+        (optimizer_kind in (None, *DEFAULT_RULES), f"optimizer_kind must be None, 'sgd' or 'adaptive', got "
+                                                   f"{optimizer_kind!r}"),
         (whole(num_iter, 10), f"num_iter must be an int >= 10 to suggest, got {num_iter}"),
         (0 <= smooth < 1, f"smooth must be in [0, 1), got {smooth}"),
         (diverge > 1, f"diverge must be > 1, got {diverge}"),
         (whole(accum_steps, 1), f"accum_steps must be an int >= 1, got {accum_steps}"),
-        (whole(min_iter_before_stop, 0),
-         f"min_iter_before_stop must be an int >= 0, got {min_iter_before_stop}"),
+        (whole(min_iter_before_stop, 0), f"min_iter_before_stop must be an int >= 0: {min_iter_before_stop}"),
         (any(p.requires_grad for p in model.parameters()), "model has no trainable parameters"),
         (any(g["params"] for g in optimizer.param_groups), "optimizer has no parameters"),
     ]:
@@ -430,8 +397,7 @@ def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[li
              for s, e, k in zip(starts, ends, scales, strict=True)] for t in steps]
 
 
-def _chain(optimizer: Any) -> list[Any]:
-    """The optimizer and those it wraps in ``.optimizer`` (accelerate's AcceleratedOptimizer...)."""
+def _chain(optimizer: Any) -> list[Any]:  # the optimizer and those it wraps in .optimizer (accelerate's)
     chain = [optimizer]
     while isinstance(getattr(chain[-1], "optimizer", None), torch.optim.Optimizer):
         chain.append(chain[-1].optimizer)
@@ -486,8 +452,7 @@ def _write_atomically(path: Path, data: bytes) -> Path:
     return path
 
 
-def _cycle(loader: Iterable[Any]) -> Iterator[Any]:
-    """Re-iterate the loader forever, so a sweep longer than one epoch needs no special loader."""
+def _cycle(loader: Iterable[Any]) -> Iterator[Any]:  # a sweep longer than the loader starts it again
     for passes in itertools.count():
         served = 0
         for served, batch in enumerate(loader, 1):  # noqa: B007 (served counts the batches)
@@ -499,8 +464,7 @@ def _cycle(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    """A batch on ``device`` whole: tensors, and those in mappings (as dicts), lists and tuples (named
-    ones too) at any depth; an object with a ``.to`` of its own moves itself."""
+    """A batch on ``device`` whole, at any depth (mappings as dicts); what has a ``.to`` moves itself."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if callable(getattr(obj, "to", None)):
@@ -524,8 +488,7 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-def _read_lag(device: torch.device) -> int:
-    """Steps by which losses are read late (host, in _sweep)."""
+def _read_lag(device: torch.device) -> int:  # steps by which _sweep reads losses late
     return 1 if device.type == "cuda" else 0
 
 
@@ -713,10 +676,9 @@ def _keep_loader(loader: Any) -> Callable[[], None]:
     return put_back
 
 
-# A deliberate private copy of runtime.py's RNG capture, so that this file works copied alone. It
-# lives in memory only, so unlike runtime.py's it need not survive a weights_only checkpoint.
+# A deliberate copy of checkpoints.py's RNG capture (every global RNG a step may draw from), so that
+# this file works alone; in memory only.
 def _capture_rng_state() -> dict:
-    """Every global RNG a training step may draw from."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()

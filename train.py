@@ -30,7 +30,7 @@ import distributed
 import logs
 import lr_find
 import task as default_task
-from configs import Config, UserError, command_line, evaluated_config, lr_setup_differences, parse_given
+from configs import Config, UserError, parse_given
 from data import UnreadableImage, build_loaders
 from models import OPTIMIZERS, amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
@@ -297,7 +297,7 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     if cfg.lr != "auto":
         return float(cfg.lr)
     path = Path(cfg.out_dir) / "lr_find.json"
-    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
+    refind = configs.command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
     others = "or use --lr find, or pass a number such as --lr 0.1"
     if not path.is_file():
         raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
@@ -310,8 +310,8 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in OPTIMIZERS
             for s in OPTIMIZERS[name].settings}
     unread = tuple(s for entry in OPTIMIZERS.values() for s in entry.settings if s not in read)
-    differences = lr_setup_differences(measured_on, cfg, unread)
-    swept, here = measured_on.get("task"), lr_find.task_identity(task)
+    differences = configs.lr_setup_differences(measured_on, cfg, unread)
+    swept, here = measured_on.get("task"), configs.task_identity(task)
     if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
         differences.append(f"task: {_task_name(swept)} -> {_task_name(here)}")
     suggestion, rule = record.get("suggestion"), record.get("method")
@@ -350,13 +350,13 @@ def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.
     world_size = distributed.world_size()
     if distributed.rank() == 0:
         try:
-            optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
-            result, wrote, why = lr_find.sweep_setup(cfg, task, model, optimizer, batches, amp_dtype, scaler,
-                                                     device, batches_per_step=world_size)
+            result, wrote = lr_find.sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
+                                                batches_per_step=world_size)
             found = result.suggestion
             if found is None:
-                problem = (f"the range test suggested no learning rate ({why}); look at {wrote[-1]}, "
-                           "widen --find-start-lr/--find-end-lr or raise --find-iters, or pass --lr N")
+                problem = (f"the range test suggested no learning rate ({result.why_none}); look at "
+                           f"{wrote[-1]}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "
+                           "--lr N")
             else:
                 alone = f"; rank 0 alone, {world_size}x its batches per step" if world_size > 1 else ""
                 print(f"lr find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
@@ -408,7 +408,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
-    cfg = evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
+    cfg = configs.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
     rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)

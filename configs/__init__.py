@@ -389,6 +389,15 @@ def lr_setup_differences(measured: dict, cfg: Config, unread: tuple[str, ...] = 
             and measured[f.name] != getattr(cfg, f.name)]
 
 
+def task_identity(task) -> dict:
+    """The task a sweep measured (lr_find.json's config["task"]): its name and a hash of its source, so
+    that an edited loss counts as another task."""
+    import hashlib
+    import inspect
+
+    return {"name": task.NAME, "source": hashlib.sha256(inspect.getsource(task).encode()).hexdigest()[:16]}
+
+
 def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> str:
     """`python SCRIPT --flag value ...` giving cfg's settings that differ from the defaults."""
     args = ["python", script]

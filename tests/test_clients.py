@@ -104,7 +104,7 @@ def test_a_batch_the_default_cannot_unpack_is_an_error_that_names_the_hook(batch
 @pytest.mark.parametrize("both", [False, True])
 def test_one_of_loss_fn_and_batch_loss(both):
     model = nn.Linear(6, 3)
-    with pytest.raises(ValueError, match="^pass one of loss_fn.outputs, targets. and batch_loss"):
+    with pytest.raises(ValueError, match="^pass loss_fn.outputs, targets. or batch_loss.model, b.$"):
         lf.lr_find(model, torch.optim.SGD(model.parameters()), F.cross_entropy if both else None,
                    triple_batches(1), batch_loss=hf_loss if both else None)
 

@@ -15,7 +15,7 @@ from conftest import ROOT, run_main, run_script
 from test_resume import assert_same_state, final_state
 
 import checkpoints
-import lr_find
+import configs
 import task
 import train
 from configs import UserError, lr_setup_differences, parse_config, resumed_config
@@ -33,7 +33,7 @@ def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
     """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
-    config["task"] = lr_find.task_identity(task)
+    config["task"] = configs.task_identity(task)
     record = {"lrs": [1e-3, 1e-1], "losses": [2.3, 2.0], "smoothed": [2.3, 2.1], "method": "min/10",
               "stop_reason": "completed", "suggestion": suggestion, "config": config, **extra}
     (out_dir / "lr_find.json").write_text(json.dumps(record))

@@ -511,7 +511,7 @@ BAD_INPUTS = [
     ({"min_iter_before_stop": -1}, "min_iter_before_stop"),
     ({"step_mode": "cubic"}, "^step_mode must be 'exp' or 'linear', got 'cubic'$"),
     ({"optimizer_kind": "adam"},
-     "^optimizer_kind must be None .told from the optimizer., 'sgd' or 'adaptive', got 'adam'$"),
+     "^optimizer_kind must be None, 'sgd' or 'adaptive', got 'adam'$"),
     ({"loader": []}, "loader"),
     ({"model": "frozen"}, "^model has no trainable parameters$"),
     ({"optimizer": "empty"}, "^optimizer has no parameters$"),

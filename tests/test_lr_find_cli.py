@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import ROOT, read_scalars
 
+import configs
 import lr_find
 import task
 import train
@@ -67,7 +68,7 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
     losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
     result = lr_find._result(lrs, losses, losses, "completed", "cosine", "min/10", "sgd")
     config = parse_config(["--out-dir", str(tmp_path), "--schedule", "cosine", "--find-method", "min/10"])
-    lr_find.save_sweep(result, {**config.to_dict(), "task": lr_find.task_identity(task)}, tmp_path)
+    lr_find.save_sweep(result, {**config.to_dict(), "task": configs.task_identity(task)}, tmp_path)
     record = json.loads((tmp_path / "lr_find.json").read_text())
     peak = record["suggestions"]["peak"]
     assert record["schedule"] == "cosine" and record["method"] == "min/10" and peak["method"] == "minimum"
