@@ -11,7 +11,6 @@ distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import shlex
@@ -32,7 +31,7 @@ import lr_find
 import task as default_task
 from configs import Config, UserError, parse_given
 from data import UnreadableImage, build_loaders
-from models import OPTIMIZERS, amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
+from models import amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 
@@ -71,7 +70,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     is_main = rank == 0  # rank 0 alone prints, logs and saves
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
-    lr = resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find, below
+    lr = configs.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
     distributed.on_rank0(checkpoints.check_out_dir, out_dir, ckpt is not None)
     torch.manual_seed(cfg.seed)
 
@@ -285,58 +284,7 @@ def evaluate(model, batches, task, cfg: Config, names: list[str], device, amp_dt
     return tally.result(distributed.all_reduce_sum)
 
 
-# ---------------------------------------------------------------- the learning rate: auto and find
-
-
-def resolve_lr(cfg: Config, task, say=print) -> float | None:
-    """--lr auto takes the suggestion lr_find.py saved in out_dir for this schedule (onecycle's peak,
-    the others' starting rate), if it was measured on this setup and task. None for --lr find, which
-    sweeps once the model is built."""
-    if cfg.lr == "find":
-        return None
-    if cfg.lr != "auto":
-        return float(cfg.lr)
-    path = Path(cfg.out_dir) / "lr_find.json"
-    refind = configs.command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
-    others = "or use --lr find, or pass a number such as --lr 0.1"
-    if not path.is_file():
-        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
-    try:
-        record = json.loads(path.read_text())
-        measured_on = dict(record["config"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
-                        f"{others}") from None
-    read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in OPTIMIZERS
-            for s in OPTIMIZERS[name].settings}
-    unread = tuple(s for entry in OPTIMIZERS.values() for s in entry.settings if s not in read)
-    differences = configs.lr_setup_differences(measured_on, cfg, unread)
-    swept, here = measured_on.get("task"), configs.task_identity(task)
-    if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
-        differences.append(f"task: {_task_name(swept)} -> {_task_name(here)}")
-    suggestion, rule = record.get("suggestion"), record.get("method")
-    per_schedule = record.get("suggestions")
-    if isinstance(per_schedule, dict):  # one per schedule family: take the one serving this schedule
-        serving = [s for s in per_schedule.values() if cfg.schedule in s.get("schedules", ())]
-        suggestion, rule = (serving[0].get("lr"), serving[0].get("method")) if serving else (None, None)
-        if not serving:
-            differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
-    if differences:
-        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
-                        f"not carry over; measure this one's with `{refind}`, {others}")
-    if not (isinstance(suggestion, int | float) and 0 < suggestion < math.inf):
-        raise UserError(f"{path} holds no usable suggestion ({suggestion!r}); run `{refind}` "
-                        f"with a wider --find-start-lr/--find-end-lr, {others}")
-    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
-    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} "
-        f"({what}, rule {rule})")
-    return float(suggestion)
-
-
-def _task_name(identity) -> str:
-    if not isinstance(identity, dict):
-        return "none recorded"
-    return f"{identity.get('name')!r} (task.py {str(identity.get('source'))[:8]})"
+# ---------------------------------------------------------------- --lr find
 
 
 def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.device) -> float:

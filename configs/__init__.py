@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
+import math
 import shlex
 import sys
 from dataclasses import dataclass, field, fields
@@ -19,34 +21,28 @@ from pathlib import Path
 import tomllib
 
 SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")  # = schedules.SCHEDULES (a test checks)
-# Names defined by the modules that build them, each in one dict: data.py puts its DATASETS here
-# under "dataset", models.py its OPTIMIZERS under "optimizer", when imported. The fields that name
-# one (registry=...) take their choices from these dicts, so --help and the checks list them.
+# Names defined by the modules that build them, in one dict each: data.py puts DATASETS here, models.py
+# OPTIMIZERS, when imported; the fields that name one (registry=...) take their choices from them.
 REGISTRIES: dict[str, dict] = {}
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
 FIND_METHODS = ("auto", "minimum", "min/3", "min/10")  # lr_find.METHODS + auto
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
+ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
 
-# The ranges a number may be declared to lie in, and how each is checked.
-LIMITS = {
-    "> 0": lambda v: v > 0,
-    ">= 0": lambda v: v >= 0,
-    ">= 10": lambda v: v >= 10,
-    "in [0, 1]": lambda v: 0 <= v <= 1,
-    "in [0, 1)": lambda v: 0 <= v < 1,
-    "in (0, 1)": lambda v: 0 < v < 1,
-}
+# The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
+LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
+          ">= 10": lambda v: 10 <= v < math.inf, "in [0, 1]": lambda v: 0 <= v <= 1,
+          "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1}
 
 
 def setting(default, help: str, *, choices: tuple[str, ...] | None = None, registry: str | None = None,
             limits: str | None = None, may_change: bool = False, keeps_lr: bool = False):
-    """One Config field with everything about it: default, help, allowed values (choices, or the
-    names in REGISTRIES[registry]) or range, and two rules. may_change: it only changes how a run
-    is run or watched, so a resume may change it. keeps_lr: it cannot move the best learning rate
-    (a path, logging, the schedule's shape), so --lr auto does not compare it with lr_find.json's;
-    every other setting is compared, a new one too unless it says keeps_lr=True."""
+    """One Config field with everything about it: default, help, allowed values (choices, or the names
+    in REGISTRIES[registry]) or range, and two rules. may_change: it only changes how a run is run or
+    watched, so a resume may change it. keeps_lr: it cannot move the best learning rate (a path, the
+    schedule's shape), so --lr auto does not compare it with lr_find.json's; all others are compared."""
     assert limits is None or limits in LIMITS, limits
     return field(default=default, metadata=dict(help=help, choices=choices, registry=registry, limits=limits,
                                                 may_change=may_change, keeps_lr=keeps_lr))
@@ -184,10 +180,6 @@ def _suggest(word: str, options) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _article(kind: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string"}.get(kind, kind.__name__)
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -211,7 +203,7 @@ def _convert(name: str, raw):
             return False
         raise UserError(f"{name} expects true or false, got {raw!r}")
     if isinstance(raw, bool):
-        raise UserError(f"{name} expects {_article(kind)}, got {raw!r}")
+        raise UserError(f"{name} expects {ARTICLES[kind]}, got {raw!r}")
     try:
         if kind is int:
             if isinstance(raw, float) and not raw.is_integer():
@@ -220,7 +212,7 @@ def _convert(name: str, raw):
         return kind(raw)
     except (TypeError, ValueError):
         hint = ", 'auto' or 'find'" if name == "lr" else ""
-        raise UserError(f"{name} expects {_article(kind)}{hint}, got {raw!r}") from None
+        raise UserError(f"{name} expects {ARTICLES[kind]}{hint}, got {raw!r}") from None
 
 
 def validate(cfg: Config) -> Config:
@@ -387,6 +379,47 @@ def lr_setup_differences(measured: dict, cfg: Config, unread: tuple[str, ...] = 
     return [f"{f.name}: {measured[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
             if not f.metadata["keeps_lr"] and f.name not in unread
             and measured[f.name] != getattr(cfg, f.name)]
+
+
+def resolve_lr(cfg: Config, task, say=print) -> float | None:
+    """The rate a run trains with: a number as given; None for --lr find, which sweeps once the model
+    is built; for --lr auto, lr_find.json's suggestion for this schedule (onecycle's peak, the others'
+    starting rate) if it was measured on this setup and task (task: its module)."""
+    if cfg.lr != "auto":
+        return None if cfg.lr == "find" else float(cfg.lr)
+    path = Path(cfg.out_dir) / "lr_find.json"
+    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
+    others = "or use --lr find, or pass a number such as --lr 0.1"
+    if not path.is_file():
+        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
+    try:
+        record = json.loads(path.read_text())
+        measured_on, families = dict(record["config"]), dict(record.get("suggestions") or {})
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
+                        f"{others}") from None
+    optimizers = REGISTRIES["optimizer"]  # momentum counts only between sweeps of optimizers that read it
+    read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in optimizers
+            for s in optimizers[name].settings}
+    unread = tuple(s for entry in optimizers.values() for s in entry.settings if s not in read)
+    differences = lr_setup_differences(measured_on, cfg, unread)
+    swept, here = measured_on.get("task"), task_identity(task)
+    if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
+        differences.append(f"task: {swept} -> {here}")
+    serving = [f for f in families.values() if isinstance(f, dict) and cfg.schedule in f.get("schedules", [])]
+    if not serving:
+        differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
+    if differences:
+        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
+                        f"not carry over; measure this one's with `{refind}`, {others}")
+    suggestion, rule = serving[0].get("lr"), serving[0].get("method")
+    if type(suggestion) not in (int, float) or not 0 < suggestion < math.inf:
+        raise UserError(f"{path} holds no usable suggestion for --schedule {cfg.schedule} ({suggestion!r}); "
+                        f"run `{refind}` with a wider --find-start-lr/--find-end-lr, {others}")
+    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
+    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} ({what}, "
+        f"rule {rule})")
+    return float(suggestion)
 
 
 def task_identity(task) -> dict:

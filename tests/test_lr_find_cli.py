@@ -14,7 +14,6 @@ from conftest import ROOT, read_scalars
 import configs
 import lr_find
 import task
-import train
 from configs import parse_config
 
 
@@ -78,7 +77,7 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
         cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto", "--schedule", schedule,
                             "--warmup-epochs", "1" if schedule == "warmup" else "0"])
         said = []
-        assert train.resolve_lr(cfg, task, said.append) == expected
+        assert configs.resolve_lr(cfg, task, said.append) == expected
         assert f"for --schedule {schedule}" in said[0]
 
 
@@ -150,4 +149,4 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
     assert said == (f"next: python train.py --dataset synthetic --synthetic-size 512 --width 8 "
                     f"--out-dir '{tmp_path / 'a b'}' --lr auto")
     saved = json.loads((tmp_path / "a b" / "lr_find.json").read_text())
-    assert train.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]
+    assert configs.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]
