@@ -9,6 +9,7 @@ checkpoint, no unfinished run to overwrite.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import importlib
@@ -17,6 +18,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import sys
 import zipfile
 from collections.abc import Callable
@@ -251,6 +253,7 @@ def _reason(err: OSError) -> str:
 # ---------------------------------------------------------------- resume
 
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config")  # train.py's save_checkpoint
+RUN_COUNTERS = ("epoch", "batch", "step", "part")
 
 
 def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, Path, Config]:
@@ -272,9 +275,41 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
     if not all_finite([t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]):
         raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
                         "run with a lower --lr")
+    run = ckpt["run"]
+    if not (isinstance(run, dict) and all(type(run.get(k)) is int and run[k] >= 0 for k in RUN_COUNTERS)):
+        counters = {k: run.get(k) for k in RUN_COUNTERS} if isinstance(run, dict) else run
+        raise UserError(f"checkpoint {path} is damaged: its run counters {counters} are not whole numbers; "
+                        "resume from another checkpoint")
     cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
     check_resumable(ckpt["config"], cfg)
+    if run["epoch"] >= cfg.epochs:
+        raise NothingToDo(f"{path} holds a complete run ({cfg.epochs} epochs, step {run['step']}): nothing "
+                          "to do, nothing changed; train longer with a new run (or --epochs N "
+                          "--allow-more-epochs for constant, warmup and step schedules)")
     return ckpt, path, cfg
+
+
+class NothingToDo(UserError):
+    """Not an error: the run asked for is already complete. The scripts print it and exit 0."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code=0)
+
+
+def check_same_data(ckpt: dict, path: Path, data: dict) -> None:
+    """A resume's data must give the epochs the checkpoint's schedule was built for: the same number
+    of training examples and batches per epoch, and the same classes (outputs)."""
+    saved = ckpt.get("data")
+    if not isinstance(saved, dict) or saved == data:
+        return  # an older checkpoint records none
+    what = [f"{key.replace('_', ' ')} {saved.get(key)} -> {data[key]}" for key in ("train_size", "batches")
+            if saved.get(key) != data[key]]
+    if saved.get("names") != data["names"]:
+        names = saved.get("names") or []
+        what.append(f"{len(names)} -> {len(data['names'])} classes ({names[:6]} -> {data['names'][:6]})")
+    raise UserError(f"checkpoint {path} was trained on other data ({'; '.join(what)}): its schedule and "
+                    "model do not fit this data; resume on the data it was trained on, or start a new run "
+                    "with a new --out-dir")
 
 
 def restore_training_state(ckpt: dict, path: Path, model: nn.Module, optimizer, scheduler, scaler) -> None:
@@ -301,25 +336,76 @@ def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
     return f"epoch {epoch + 1}/{epochs} at batch {batch + 1}/{batches}"
 
 
-def check_out_dir(out_dir: Path, resuming: bool) -> None:
-    """Before any data is loaded: --out-dir can be written, and a new run holds no unfinished run."""
+def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
+    """Before any data is loaded: --out-dir can be written, holds no unfinished run that this one would
+    overwrite, and no other live run. This process then owns the folder until it exits (.lock holds
+    its pid and host), and removes the temporary files that a save killed midway left there."""
     check_writable_dir(out_dir)
-    if not resuming:
-        refuse_unfinished_run(out_dir / "last.pt")
+    last = out_dir / "last.pt"
+    if resumed_from is None or resumed_from.resolve() != last.resolve():
+        refuse_unfinished_run(last, resumed_from)
+    _lock(out_dir)
+    for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
+        if not tmp.name.endswith(f".{os.getpid()}.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
-def refuse_unfinished_run(path: Path) -> None:
-    """A new run must not replace the last.pt of an unfinished run, which --resume would continue."""
-    if not path.is_file():
-        return
+def refuse_unfinished_run(path: Path, resumed_from: Path | None = None) -> None:
+    """A run must not replace the last.pt of an unfinished run, which --resume would continue."""
     try:
-        saved = load_checkpoint(path)
+        saved = load_checkpoint(path) if path.is_file() else {}
     except UserError:
         return  # unreadable, so there is nothing to continue
-    if saved.get("step", 0) < saved.get("total_steps", 0):
-        raise UserError(f"{path} holds an unfinished run (step {saved['step']} of {saved['total_steps']}); "
-                        "continue it with --resume, or pick another --out-dir, or delete the file to start "
-                        "over")
+    step, total = saved.get("step", 0), saved.get("total_steps", 0)
+    if isinstance(step, int) and isinstance(total, int) and step < total:
+        this = f"resuming {resumed_from} there" if resumed_from else "a new run"
+        raise UserError(f"{path} holds an unfinished run (step {step} of {total}) that {this} would "
+                        f"overwrite; continue it with --resume --out-dir {path.parent}, or pick another "
+                        "--out-dir, or delete the file to start over")
+
+
+def _lock(out_dir: Path) -> None:
+    """out_dir/.lock for this process, released (with the folders made for it, if empty) at its exit.
+    A lock of a process that is gone (a kill -9) is taken over; one of a live run is refused."""
+    path, mine = out_dir / ".lock", f"{os.getpid()} {socket.gethostname()}"
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            with open(path, "x") as f:
+                f.write(mine)
+            break
+        except FileExistsError:
+            held = path.read_text(errors="replace").split()
+            if held[:2] == mine.split():
+                return  # this process's own, from an earlier run in it
+            pid, host = (int(held[0]), held[1]) if len(held) >= 2 and held[0].isdigit() else (0, "")
+            if host == socket.gethostname() and pid and _alive(pid):
+                raise UserError(f"{out_dir} is in use by another run (process {pid}); wait for it to end, "
+                                "or pick another --out-dir") from None
+            if host not in ("", socket.gethostname()):
+                raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
+                                f"there, delete {path}, or pick another --out-dir") from None
+            path.unlink(missing_ok=True)  # the run that held it is gone
+    atexit.register(_unlock, path, mine, created)
+
+
+def _unlock(path: Path, mine: str, created: list[Path]) -> None:
+    with contextlib.suppress(OSError):
+        if path.read_text() == mine:
+            path.unlink()
+        for folder in created:
+            folder.rmdir()  # only while empty
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

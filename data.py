@@ -14,6 +14,7 @@ import csv
 import functools
 import io
 import math
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,7 +296,7 @@ class Batches:
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=self.batch_size, sampler=self._order,
                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-                persistent_workers=self.num_workers > 0,
+                persistent_workers=self.num_workers > 0, worker_init_fn=_leave_signals_to_the_main_process,
                 generator=torch.Generator().manual_seed(self.seed))
         self._order[:] = indices
         return iter(self._loader)
@@ -375,6 +376,14 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
 
 
 # ---------------------------------------------------------------- files and statistics
+
+
+def _leave_signals_to_the_main_process(worker: int) -> None:
+    """Where the main process handles signals (train.py: it saves first, and ends its workers when it
+    exits), a signal to the whole process group (systemd, Slurm, kill -TERM -PGID) must not kill them."""
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the parent's, inherited
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class UnreadableImage(UserError):

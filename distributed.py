@@ -7,6 +7,10 @@ that only rank 0 can make (its files, a signal it received) reach the others by 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -34,7 +38,11 @@ def pick_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+        device = torch.device("meta")  # refused just below
+    backend = getattr(torch, device.type, None) if device.type in ("mps", "xpu") else None
+    if device.type not in ("cpu", "cuda", "mps", "xpu") or (backend and not backend.is_available()):
+        there = f"{name} is not on this machine" if backend else f"{name!r} is not a device to train on"
+        raise UserError(f"--device {there}; use auto, cpu, cuda, cuda:N, mps or xpu") from None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if device.type == "cuda" and device.index is not None and world_size > 1:
         raise UserError(f"--device {name} would put all {world_size} torchrun processes on one GPU; "
@@ -158,39 +166,112 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+# ---------------------------------------------------------------- failures said in one line
+
+
+def tell_torchrun(message: str) -> None:
+    """Under torchrun, the one line this process ends with, in the error file torchrun reads: its
+    summary then shows the line as the root cause (after its own traceback, which it always prints)."""
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            stamp = str(int(time.time()))
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": stamp}}}, f)
+
+
+def known_failure(err: BaseException) -> str | None:
+    """The one line for a failure torch reports at length, or None for any other error."""
+    text = str(err).strip()
+    first = text.splitlines()[0][:160] if text else type(err).__name__
+    if "more than 1 value per channel" in text:
+        return (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
+                "more, or larger inputs (--image-size)")
+    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return f"out of memory ({first}); lower --batch-size, --image-size, --synthetic-size or --width"
+    if "without overflow" in text:
+        return (f"a setting is too large for float32 ({first}); check --lr, --weight-decay, --momentum, "
+                "--div-factor and --final-div-factor")
+    if type(err).__name__ in ("BackendCompilerFailed", "InductorError", "CppCompileError"):
+        return (f"--compile failed ({first}); run without --compile (on CPU, torch.compile also needs a "
+                "C++ compiler such as g++)")
+    return None
+
+
 # ---------------------------------------------------------------- signals
 
 
-class StopFlag:
-    """SIGINT/SIGTERM only set a flag; the loop saves a checkpoint after the step, then stops."""
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the process where it stands (the scripts say so in one line)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """Ctrl-C, SIGTERM (systemd, Slurm, `kill`) and SIGHUP (a dropped ssh session), for the whole
+    process. Outside the loop a signal raises Interrupted at once. Inside it (`deferred`), a signal
+    only sets `received`: the loop saves after its step, then stops; a second one stops at once,
+    except while a save runs (`holding`), which nothing interrupts."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
-        self.signal = 0
-        self.previous = {}
+        self.received, self.mode, self.depth, self.previous = 0, "raise", 0, {}
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._set)
-        return self
+    @contextlib.contextmanager
+    def installed(self):
+        """The handlers for the block (nested blocks share them); only the main thread can have any."""
+        if self.depth == 0 and threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
+            atexit.register(_end_workers)  # run before multiprocessing's, which would wait for them
+        self.depth += 1
+        try:
+            yield self
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                for sig, handler in self.previous.items():
+                    signal.signal(sig, handler)
+                self.previous, self.received, self.mode = {}, 0, "raise"
 
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    @contextlib.contextmanager
+    def in_mode(self, mode: str):
+        """"defer" (the loop: save, then stop) or "hold" (a save: nothing interrupts it)."""
+        before, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = before
 
-    def _set(self, signum, frame):
-        if self.signal:  # a second Ctrl-C means now
-            raise KeyboardInterrupt
-        self.signal = signum
+    def _handle(self, signum, frame):
+        first = not self.received
+        self.received = self.received or signum
+        if self.mode == "hold" or (self.mode == "defer" and first):
+            return
+        raise Interrupted(signum)
 
     def now(self, log_point: bool, device: torch.device) -> bool:
         """Stop after this step? Alone: as soon as a signal came. Under torchrun every rank must stop
         at the same step (one that left would hang the others in DDP's next all-reduce), so they
         agree by an all-reduce, at log points only, where the loop reads the device anyway."""
         if not is_distributed():
-            return bool(self.signal)
-        return log_point and any_rank(bool(self.signal), device)
+            return bool(self.received)
+        return log_point and any_rank(bool(self.received), device)
 
     @property
     def exit_code(self) -> int:
-        return 128 + (self.signal or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM
+        return 128 + (self.received or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM
+
+
+SIGNALS = Signals()  # one per process, as signal handlers are
+
+
+def _end_workers() -> None:
+    """At exit: DataLoader workers leave signals to this process (data.py), so the SIGTERM with which
+    multiprocessing ends them would be ignored, and its wait for them last for ever. (Their end is not
+    an error: torch's SIGCHLD handler, which would say it is, goes first.)"""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()

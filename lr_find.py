@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
 
         import distributed
         import task
-        from checkpoints import check_writable_dir
+        from checkpoints import claim_out_dir
         from configs import command_line, exit_with_error, parse_config
         from data import build_loaders
         from models import amp_setup, build_model
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
     try:  # the data, model and optimizer that train.py builds from the same flags
         cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
-        check_writable_dir(cfg.out_dir)  # fail now, not after the sweep
+        claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
         device = distributed.pick_device(cfg.device)
         torch.manual_seed(cfg.seed)
         batches, _, info = build_loaders(cfg, device)

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -71,12 +72,13 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
     lr = configs.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
-    distributed.on_rank0(checkpoints.check_out_dir, out_dir, ckpt is not None)
+    distributed.on_rank0(checkpoints.claim_out_dir, out_dir, path)
     torch.manual_seed(cfg.seed)
 
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
     batches = len(train_batches)
+    data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     amp_dtype, scaler = amp_setup(device, cfg.amp)
     criterion = functools.partial(task.loss, cfg=cfg)
@@ -88,7 +90,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
     # Resume: every state as it was saved, and where the run stood.
-    run = resume(ckpt, path, cfg, model, optimizer, scheduler, scaler, batches, say) if ckpt else Run()
+    run = resume(ckpt, path, cfg, data, model, optimizer, scheduler, scaler, say) if ckpt else Run()
 
     # The model three ways: `model`, the plain module, is what is saved; `compiled` is what runs
     # (torch.compile'd under --compile, else model itself), in evaluation too; `ddp_model` trains
@@ -102,12 +104,14 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         checkpoints.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
     save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
-                             optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps)
+                             optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps,
+                             data=data)
     logs.announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard, say)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates = None, []
-    with tensorboard, distributed.StopFlag() as stop, saves_on_unreadable(run, save, out_dir, world_size):
+    with (tensorboard, distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as stop,
+          stops_in_one_line(run, save, out_dir, world_size)):
         for epoch in range(run.epoch, cfg.epochs):
             run.epoch = epoch  # (evaluate() puts the model back in train mode)
             bar = tqdm(total=batches, initial=run.batch, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
@@ -146,14 +150,10 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     if distributed.any_rank(why is not None, device):  # all ranks stop at one step
                         raise diverged(why or "diverged on another process", optimizer, lr, run, out_dir)
 
-                # Ctrl-C or SIGTERM: save, then stop (StopFlag.now says when, under torchrun too).
-                stopping = stop.now(log_point, device)
-                if stopping or (cfg.save_every and run.step % cfg.save_every == 0):
+                # Ctrl-C, SIGTERM or SIGHUP: save, then stop (Signals.now says when, under torchrun too).
+                if periodic := bool(cfg.save_every) and run.step % cfg.save_every == 0:
                     save(run, "last.pt")
-                if stopping:
-                    say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
-                        f"`{continue_command(out_dir, world_size)}`")
-                    raise SystemExit(stop.exit_code)
+                stop_if_signalled(stop, log_point, device, run, save, periodic, say, out_dir, world_size)
             bar.close()
 
             # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
@@ -174,6 +174,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             save(run, "last.pt")
             if improved:
                 save(run, "best.pt")
+            stop_if_signalled(stop, True, device, run, save, True, say, out_dir, world_size)  # one in eval
 
     # Summary. Every rank takes part in ranks_agree, a collective; rank 0 then writes the files
     # while the others wait for it, so that all ranks finish their collectives before they leave.
@@ -184,7 +185,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
 
 def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: Config, lr: float, task,
-                    model, optimizer, scheduler, scaler, total_steps: int) -> None:
+                    model, optimizer, scheduler, scaler, total_steps: int, data: dict) -> None:
     """A checkpoint that continues where `run` stands: the states a run continues from bit for bit
     (every RNG's included), where it stood, and its config. Never one of nan or inf weights. The
     rates kept since the last log point go to TensorBoard first: its log holds every step saved."""
@@ -195,27 +196,30 @@ def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: 
     run.rates = []
     if run.start_loss is None and run.first_loss is not None:  # saving reads the device anyway
         run.start_loss = run.first_loss.item()
-    if distributed.rank() == 0:  # the others hold the same states
-        checkpoints.save_checkpoint({
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": checkpoints.capture_rng_state(),
-            "run": {"epoch": run.epoch, "batch": run.batch, "step": run.step, "best": run.best,
-                    "start_loss": run.start_loss, "part": run.part,
-                    "seconds_before": run.seconds_before + time.perf_counter() - run.started},
-            "config": {**cfg.to_dict(), "lr": lr},
-            "task": task.NAME,
-            "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
-        }, path)
+    if distributed.rank() == 0:  # the other ranks hold the same states
+        with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
+            checkpoints.save_checkpoint({
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": checkpoints.capture_rng_state(),
+                "run": {"epoch": run.epoch, "batch": run.batch, "step": run.step, "best": run.best,
+                        "start_loss": run.start_loss, "part": run.part,
+                        "seconds_before": run.seconds_before + time.perf_counter() - run.started},
+                "config": {**cfg.to_dict(), "lr": lr},
+                "task": task.NAME,
+                "data": data,  # what fixes the schedule: a resume on other data is refused
+                "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
+            }, path)
     if name == "last.pt":
         run.saved_at, run.saved_step = (run.epoch, run.batch), run.step
 
 
 @contextmanager
-def saves_on_unreadable(run: Run, save, out_dir: Path, world_size: int):
-    """An image the data cannot decode stops the run as Ctrl-C does: save, then say which file."""
+def stops_in_one_line(run: Run, save, out_dir: Path, world_size: int):
+    """An image the data cannot decode stops the run as Ctrl-C does: save, then say which file. A
+    second signal stops it at once: say what last.pt holds."""
     try:
         yield
     except UnreadableImage as err:
@@ -225,18 +229,35 @@ def saves_on_unreadable(run: Run, save, out_dir: Path, world_size: int):
                 else f"{out_dir / 'last.pt'} holds step {run.saved_step}; replace or delete it, then "
                 f"continue with `{continue_command(out_dir, world_size)}`")
         raise UnreadableImage(f"{err}; {then}") from None
+    except distributed.Interrupted as err:
+        kept = ("no checkpoint was written" if run.saved_step is None else f"{out_dir / 'last.pt'} holds "
+                f"step {run.saved_step}; continue with `{continue_command(out_dir, world_size)}`")
+        raise UserError(f"interrupted again by {err}: stopped at once at step {run.step}; {kept}",
+                        128 + err.signum) from None
 
 
-def resume(ckpt: dict, path: Path, cfg: Config, model, optimizer, scheduler, scaler, batches: int,
-           say) -> Run:
-    """Every state as it was saved (the RNGs' too), and the run as it stood: its next part."""
+def resume(ckpt: dict, path: Path, cfg: Config, data: dict, model, optimizer, scheduler, scaler, say) -> Run:
+    """Every state as it was saved (the RNGs' too), and the run as it stood: its next part. Data that
+    no longer gives the same epochs is refused, before any state is put back."""
+    checkpoints.check_same_data(ckpt, path, data)
     checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
     saved = ckpt["run"]
     run = Run(**{**saved, "part": saved["part"] + 1}, saved_at=(saved["epoch"], saved["batch"]),
               saved_step=saved["step"])
     say(f"resumed from {path} at step {run.step} "
-        f"({checkpoints.position(run.epoch, run.batch, cfg.epochs, batches)})")
+        f"({checkpoints.position(run.epoch, run.batch, cfg.epochs, data['batches'])})")
     return run
+
+
+def stop_if_signalled(stop, log_point: bool, device, run: Run, save, saved: bool, say, out_dir: Path,
+                      world_size: int) -> None:
+    """After a signal: save (unless `saved` just now), say how to continue, and exit 128 + its number."""
+    if stop.now(log_point, device):
+        if not saved:
+            save(run, "last.pt")
+        say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
+            f"`{continue_command(out_dir, world_size)}`")
+        raise SystemExit(stop.exit_code)
 
 
 def continue_command(out_dir: Path, world_size: int) -> str:
@@ -371,19 +392,34 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
 
 def main() -> None:
     try:
-        given = parse_given(description=__doc__.splitlines()[0])
-        cfg = Config(**given)
-        if cfg.evaluate:
-            evaluate_checkpoint(cfg, given)
-            return
-        if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
-            configs.validate(cfg)
-        train(cfg, given)
+        with distributed.SIGNALS.installed():  # from start-up on: a signal is one line, never a traceback
+            given = parse_given(description=__doc__.splitlines()[0])
+            cfg = Config(**given)
+            if cfg.evaluate:
+                evaluate_checkpoint(cfg, given)
+                return
+            if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
+                configs.validate(cfg)
+            train(cfg, given)
     except UserError as err:
+        if err.code == 0:  # nothing to do (a complete run resumed): said, and not an error
+            if os.environ.get("RANK", "0") == "0":
+                print(err)
+            return
         # Under torchrun, one line from one process; a file only one rank read, from that rank.
         if os.environ.get("RANK", "0") == "0" or isinstance(err, UnreadableImage):
-            configs.exit_with_error(str(err))
-        raise SystemExit(2) from None
+            distributed.tell_torchrun(f"error: {err}")
+            configs.exit_with_error(str(err), err.code)
+        raise SystemExit(err.code) from None
+    except Exception as err:  # torch's long reports of a few known failures: one line each
+        if (line := distributed.known_failure(err)) is None or os.environ.get("RANK", "0") != "0":
+            raise
+        configs.exit_with_error(line)
+    except KeyboardInterrupt as err:  # outside the loop: start-up, --lr find's sweep, the summary
+        signum = getattr(err, "signum", signal.SIGINT)
+        configs.exit_with_error(f"interrupted by {signal.Signals(signum).name} outside the training loop; "
+                                "every checkpoint is as it was: run the command again, or continue with "
+                                "--resume", 128 + signum)
     finally:
         distributed.cleanup()
 

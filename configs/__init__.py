@@ -1,10 +1,8 @@
 """Every setting in one dataclass; presets in TOML; any field overridable as --field-name.
 
-Each field carries its default, help, allowed values or range, and the rules about it (see
-`setting`). Precedence: dataclass defaults < --config FILE.toml < command-line flags; a resume puts
-the checkpoint's config in place of the first two. Bad input becomes a UserError with one line
-saying what is wrong and how to fix it; the scripts print it and exit 2.
-"""
+Each field carries its default, help, allowed values or range and its rules (`setting`). Precedence:
+defaults < --config FILE.toml < flags; a resume puts the checkpoint's config in place of the first two.
+Bad input is a UserError: one line saying what is wrong and the fix; the scripts print it and exit 2."""
 
 from __future__ import annotations
 
@@ -34,7 +32,8 @@ ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs ex
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
 LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
           ">= 10": lambda v: 10 <= v < math.inf, "in [0, 1]": lambda v: 0 <= v <= 1,
-          "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1}
+          "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1,
+          "in [0, 2**32)": lambda v: 0 <= v < 2**32}  # seeds: epoch_plan's generator takes 64 bits
 
 
 def setting(default, help: str, *, choices: tuple[str, ...] | None = None, registry: str | None = None,
@@ -72,8 +71,7 @@ class Config:
     num_classes: int = setting(10, "synthetic only; the other datasets know their classes", limits="> 0")
     channels: int = setting(3, "synthetic: channels generated; imagefolder and csv: 1 loads grayscale, 3 "
                             "RGB; the other datasets have their own", limits="> 0")
-    synthetic_size: int = setting(2048, "synthetic: training images (validation gets a quarter)",
-                                  limits="> 0")
+    synthetic_size: int = setting(2048, "synthetic: training images (val: a quarter of it)", limits="> 0")
     synthetic_val_size: int = setting(0, "synthetic: validation images; 0: a quarter of --synthetic-size",
                                       limits=">= 0", may_change=True, keeps_lr=True)
     val_fraction: float = setting(0.2, "csv without a val.csv: the share of train.csv's rows held out (a "
@@ -83,8 +81,7 @@ class Config:
                           choices=LOADERS, may_change=True, keeps_lr=True)
     num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
                                limits=">= 0", may_change=True, keeps_lr=True)
-    augment: bool = setting(True, "images: random crop (and flip, below) on training batches; off turns "
-                            "both off")
+    augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
     flip: bool = setting(True, "images: left-right flips, only where they keep the label: cifar10, "
                          "cifar100, imagefolder, csv")
     # model and optimizer
@@ -96,8 +93,7 @@ class Config:
                              "file (a head of another class count is re-initialised); \"\": off",
                              may_change=True)
     width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0")
-    dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the classifier; 0: none",
-                             limits="in [0, 1)")
+    dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the head; 0: off", limits="in [0, 1)")
     optimizer: str = setting("sgd", "a name in models.OPTIMIZERS: sgd (with --momentum, --nesterov), adamw",
                              registry="optimizer")
     lr: float | str = setting(0.2, "a number (onecycle: the peak); auto: the suggestion lr_find.py saved "
@@ -105,8 +101,7 @@ class Config:
                               "test first, in this process, then train with its suggestion", keeps_lr=True)
     momentum: float = setting(0.9, "sgd only; 0: plain sgd", limits=">= 0")
     nesterov: bool = setting(True, "sgd only, when --momentum > 0")
-    weight_decay: float = setting(5e-4, "on weights only: biases and normalization weights get none",
-                                  limits=">= 0")
+    weight_decay: float = setting(5e-4, "on weights, not on biases or normalization weights", limits=">= 0")
     label_smoothing: float = setting(0.0, "0: plain cross-entropy (classification)", limits="in [0, 1]")
     clip_grad: float = setting(0.0, "max gradient norm; 0 turns clipping off", limits=">= 0")
     # schedule (counts in epochs here, converted to optimizer steps by schedules.py); lr_find's sweep
@@ -124,14 +119,12 @@ class Config:
     gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0", keeps_lr=True)
     min_lr_ratio: float = setting(0.0, "cosine: the final lr as a fraction of --lr; 0: decays to 0",
                                   limits="in [0, 1]", keeps_lr=True)
-    pct_start: float = setting(0.25, "onecycle: the share of the run spent rising to --lr",
-                               limits="in (0, 1)", keeps_lr=True)
+    pct_start: float = setting(0.25, "onecycle: the part rising to --lr", limits="in (0, 1)", keeps_lr=True)
     div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0", keeps_lr=True)
     final_div_factor: float = setting(1e4, "onecycle: ends at lr / div_factor / final_div_factor",
                                       limits="> 0", keeps_lr=True)
     # lr_find.py (and --lr find)
-    find_start_lr: float = setting(1e-5, "range test: the first lr", limits="> 0", may_change=True,
-                                   keeps_lr=True)
+    find_start_lr: float = setting(1e-5, "range test: first lr", limits="> 0", may_change=True, keeps_lr=True)
     find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
                                  limits="> 0", may_change=True, keeps_lr=True)
     find_iters: int = setting(50, "range test: optimizer steps (a suggestion needs 10 or more)",
@@ -140,14 +133,13 @@ class Config:
                                "the rule lr_find.DEFAULT_RULES gives --schedule and the optimizer",
                                choices=FIND_METHODS, may_change=True, keeps_lr=True)
     # runtime
-    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps", may_change=True,
+    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu", may_change=True,
                           keeps_lr=True)
     amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
                        "GradScaler, off on CPU and MPS", choices=AMP_MODES)
-    channels_last: bool = setting(False, "images: channels_last memory format (faster convolutions on GPUs)",
-                                  keeps_lr=True)
+    channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)", keeps_lr=True)
     compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
-    seed: int = setting(0, "for weights, data order and augmentation", limits=">= 0", keeps_lr=True)
+    seed: int = setting(0, "for weights, data order and augmentation", limits="in [0, 2**32)", keeps_lr=True)
     out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json",
                            may_change=True, keeps_lr=True)
     log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
@@ -169,7 +161,12 @@ class Config:
 
 
 class UserError(ValueError):
-    """Bad user input (config, data, checkpoint); one line that says what is wrong and the fix."""
+    """Bad user input (config, data, checkpoint), or a stop; one line that says what happened and the
+    fix. `code`: the exit status the scripts end with (2; a signal's stop: 128 + its number)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -223,9 +220,9 @@ def validate(cfg: Config) -> Config:
             raise UserError(f"unknown {f.name} {value!r}{_suggest(value, choices)} "
                             f"(choose from {', '.join(choices)})")
         if limits and not LIMITS[limits](value):
-            raise UserError(f"{f.name} must be {limits}, got {value}")
-    if cfg.lr not in LR_WORDS and not cfg.lr > 0:
-        raise UserError(f"lr must be > 0 (or auto, or find), got {cfg.lr}")
+            raise UserError(f"{f.name} must be a number {limits}, got {value}")
+    if cfg.lr not in LR_WORDS and not 0 < cfg.lr < math.inf:
+        raise UserError(f"lr must be a number > 0 (or auto, or find), got {cfg.lr}")
     if cfg.find_start_lr >= cfg.find_end_lr:
         raise UserError(f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})")
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:
@@ -339,9 +336,12 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
         del given["lr"]
     if "out_dir" not in given and given.get("resume", "auto") != "auto":
         given["out_dir"] = str(Path(checkpoint).parent)
-    values = {**Config().to_dict(), **{k: v for k, v in saved.items() if k in _FIELDS},
-              "allow_more_epochs": False, **given}
-    return validate(Config(**values))
+    try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
+        saved = {k: _convert(k, v) if k != "resume" else v for k, v in saved.items() if k in _FIELDS}
+    except UserError as err:
+        raise UserError(f"checkpoint {checkpoint}'s config is damaged ({err}); resume from another "
+                        "checkpoint, or start a new run") from None
+    return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}))
 
 
 # What --evaluate takes from its command line; the model and data settings come from the checkpoint.

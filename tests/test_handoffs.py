@@ -197,7 +197,7 @@ def test_resumed_config_layers():
     assert (cfg.width, cfg.lr, cfg.out_dir, cfg.allow_more_epochs) == (8, 0.3, "runs/a", False)
     elsewhere = resumed_config(saved, {"resume": "copies/b/best.pt"}, "copies/b/best.pt")
     assert elsewhere.out_dir == "copies/b"  # --resume PATH continues in PATH's folder
-    with pytest.raises(UserError, match="epochs must be > 0"):
+    with pytest.raises(UserError, match="epochs must be a number > 0"):
         resumed_config(saved, {"resume": "auto", "epochs": 0}, "runs/a/last.pt")
 
 
