@@ -387,15 +387,34 @@ def _lock(out_dir: Path) -> None:
                 raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
                                 f"there, delete {path}, or pick another --out-dir") from None
             path.unlink(missing_ok=True)  # the run that held it is gone
-    atexit.register(_unlock, path, mine, created)
+    if not _HELD:
+        atexit.register(release_all)
+    _HELD.append((path, mine, created))
 
 
-def _unlock(path: Path, mine: str, created: list[Path]) -> None:
-    with contextlib.suppress(OSError):
-        if path.read_text() == mine:
-            path.unlink()
-        for folder in created:
-            folder.rmdir()  # only while empty
+_HELD = []  # this process's locks: (path, its text, the folders made for it)
+
+
+@contextlib.contextmanager
+def holding(out_dir: Path):
+    """The block during which this process's run owns out_dir: its lock (claim_out_dir's) goes at the
+    end, whatever ends it; release_all() lets go of the rest (train.py's main, and at exit)."""
+    try:
+        yield
+    finally:
+        release_all(out_dir / ".lock")
+
+
+def release_all(only: Path | None = None) -> None:
+    """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
+    for held in [h for h in _HELD if only is None or h[0] == only]:
+        _HELD.remove(held)
+        path, mine, created = held
+        with contextlib.suppress(OSError):
+            if path.read_text() == mine:
+                path.unlink()
+            for folder in created:
+                folder.rmdir()  # only while empty
 
 
 def _alive(pid: int) -> bool:

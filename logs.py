@@ -172,7 +172,7 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
                  "the next part resumed from (time after a part's last save was lost)")
 
 
-def run_summary(task, val, run, *, lr: float, epochs: int, epoch_rates: list[float], world_size: int,
+def run_summary(task, val, run, lr: float, epochs: int, epoch_rates: list[float], world_size: int,
                 device: torch.device, in_sync: bool) -> dict:
     """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran) and the best
     main metric, then how the run went (`run`: train.py's Run, as it ended)."""

@@ -110,8 +110,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates = None, []
-    with (tensorboard, distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as stop,
-          stops_in_one_line(run, save, out_dir, world_size)):
+    with (tensorboard, checkpoints.holding(out_dir), distributed.SIGNALS.installed(),
+          distributed.SIGNALS.in_mode("defer") as stop, stops_in_one_line(run, save, out_dir, world_size)):
         for epoch in range(run.epoch, cfg.epochs):
             run.epoch = epoch  # (evaluate() puts the model back in train mode)
             bar = tqdm(total=batches, initial=run.batch, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
@@ -176,11 +176,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 save(run, "best.pt")
             stop_if_signalled(stop, True, device, run, save, True, say, out_dir, world_size)  # one in eval
 
-    # Summary. Every rank takes part in ranks_agree, a collective; rank 0 then writes the files
-    # while the others wait for it, so that all ranks finish their collectives before they leave.
-    summary = logs.run_summary(task, val, run, lr=lr, epochs=cfg.epochs, epoch_rates=epoch_rates,
-                               world_size=world_size, device=device, in_sync=distributed.ranks_agree(model))
-    distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
+        # Summary, while the folder is still this run's. Every rank takes part in ranks_agree, a
+        # collective; rank 0 then writes the files while the others wait, so all leave together.
+        summary = logs.run_summary(task, val, run, lr, cfg.epochs, epoch_rates, world_size, device,
+                                   distributed.ranks_agree(model))
+        distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
     return summary
 
 
@@ -421,6 +421,7 @@ def main() -> None:
                                 "every checkpoint is as it was: run the command again, or continue with "
                                 "--resume", 128 + signum)
     finally:
+        checkpoints.release_all()
         distributed.cleanup()
 
 

@@ -106,7 +106,8 @@ def test_toml_typos_and_types(tmp_path):
 
 # ---------------------------------------------------------------- each rule at its field (issue 12)
 
-OUTSIDE = {"> 0": "0", ">= 0": "-1", ">= 10": "9", "in [0, 1]": "1.5", "in [0, 1)": "1", "in (0, 1)": "0"}
+OUTSIDE = {"> 0": "0", ">= 0": "-1", ">= 10": "9", "in [0, 1]": "1.5", "in [0, 1)": "1", "in (0, 1)": "0",
+           "in [0, 2**32)": str(2**32)}
 
 
 @pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.metadata["limits"]],
@@ -116,7 +117,11 @@ def test_each_declared_range_is_enforced(field):
     limits = field.metadata["limits"]
     with pytest.raises(UserError) as err:
         parse_config(["--" + field.name.replace("_", "-"), OUTSIDE[limits]])
-    assert str(err.value).startswith(f"{field.name} must be {limits}")
+    assert str(err.value).startswith(f"{field.name} must be a number {limits}")
+    if limits not in ("in [0, 1]", "in [0, 1)", "in (0, 1)"):  # and never inf, nor nan
+        for value in ("inf", "nan"):
+            with pytest.raises(UserError, match=f"{field.name} (must be a number|expects an integer)"):
+                parse_config(["--" + field.name.replace("_", "-"), value])
 
 
 def test_every_field_has_help_and_numbers_a_range():

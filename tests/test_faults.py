@@ -117,6 +117,7 @@ def nan_weight(ckpt):
 def wrong_shape(ckpt):
     key = next(iter(ckpt["model"]))
     ckpt["model"][key] = torch.zeros(3)
+    ckpt["run"]["epoch"] = 0  # mid-run: a complete run's resume has nothing to do, shapes or not
 
 
 def unfinished(ctx) -> list[str]:

@@ -130,7 +130,7 @@ def test_sigterm_saves_before_exiting(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "interrupted" in out and "--resume" in out
-    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] > 16
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] >= 16  # the first save, or a later one
     fresh = run_script("train.py", *RUN, "--epochs", "50", "--out-dir", str(tmp_path))
     assert fresh.returncode == 2 and fresh.stderr.count("\n") == 1
     assert "unfinished run" in fresh.stderr and "--resume" in fresh.stderr
