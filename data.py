@@ -80,17 +80,15 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     downloads while the others wait at a barrier: several writers would corrupt the archive."""
     import torchvision
 
-    cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir)
+    cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
     distributed = dist.is_available() and dist.is_initialized()
-    downloader = not distributed or dist.get_rank() == 0
-    if not downloader:
+    if not (downloader := not distributed or dist.get_rank() == 0):
         dist.barrier()
     try:
         splits = [cls(str(root), train=t, download=False) for t in (True, False)]
     except RuntimeError:  # not there: download, or remove the folders a failed download made
-        absolute = root.absolute()
-        created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
-                               *absolute.parents) if not d.exists()]  # deepest first
+        created = [d for d in (root / class_name / "raw", root / class_name, root, *root.parents)
+                   if not d.exists()]  # deepest first
         try:
             if not downloader:
                 raise RuntimeError("rank 0 could not download it") from None
@@ -132,10 +130,8 @@ def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
     root = Path(cfg.data_dir)
-    train = _csv_rows(root, "train.csv")
-    if (root / "val.csv").is_file():
-        val = _csv_rows(root, "val.csv")
-    else:  # the split's own seed: the same val images whatever --seed says
+    train, val = _csv_rows(root, "train.csv"), (root / "val.csv").is_file() and _csv_rows(root, "val.csv")
+    if not val:  # the split's own seed: the same val images whatever --seed says
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
         if len(held) == len(train):
@@ -196,12 +192,8 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
     the whole dataset from one (seed, epoch) generator and then sharded: the same on any device, and
     wherever in the epoch a resumed run starts."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    if shuffle:
-        order = torch.randperm(n, generator=g)
-        usable = n // world_size * world_size  # equal shards, as DistributedSampler(drop_last)
-    else:
-        order = torch.arange(n)
-        usable = n
+    order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
+    usable = n // world_size * world_size if shuffle else n  # training: equal shards, as DistributedSampler's
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
     shard = slice(rank, usable, world_size)
@@ -396,8 +388,8 @@ def read_image(path: str, mode: str = "RGB"):
         with open(path, "rb") as f:
             return Image.open(f).convert(mode)
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
-        reason = "not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else (
-            str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__)
+        reason = ("not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else
+                  (str(err).strip().splitlines() or [type(err).__name__])[0][:100])
         folder = Path(path).parent.name
         raise UnreadableImage(f"cannot read image {path} (class folder {folder!r}): {reason}") from None
 
@@ -405,14 +397,14 @@ def read_image(path: str, mode: str = "RGB"):
 class _Files(torch.utils.data.Dataset):
     """(path, class index) pairs read as images, as ImageFolder reads its folders."""
 
-    def __init__(self, items: list[tuple[Path, int]], transform, loader):
-        self.items, self.transform, self.loader = items, transform, loader
+    def __init__(self, items: list[tuple[Path, int]], transform, mode: str):
+        self.items, self.transform, self.mode = items, transform, mode
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int):
-        return self.transform(self.loader(str(self.items[i][0]))), self.items[i][1]
+        return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
 def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool) -> Source:
@@ -427,10 +419,9 @@ def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bo
     size = cfg.image_size or needs.crop or max(needs.size, 32)
     transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
                                     transforms.PILToTensor()])
-    loader = functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
-    mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
+    mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
-    return Source(_Files(train, transform, loader), _Files(val, transform, loader), names,
+    return Source(_Files(train, transform, mode), _Files(val, transform, mode), names,
                   pad=max(size // 8, 1), flip=flip, stats=stats)
 
 
