@@ -1,24 +1,21 @@
 """Datasets by name (DATASETS), served as batches of (inputs, targets) on the training device.
 
-Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. Only
-uint8 [N, C, H, W] inputs are images, which get crop and flip, normalization from 0..255,
-channels_last and resizing to a model's size, in whole batches on the device (airbench-style);
-files go through DataLoader workers first. Each epoch's order and augmentation come from a
-(seed, epoch) generator, so a resumed run or a DDP rank sees the batches it would have seen.
-"""
-
-from __future__ import annotations
+Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8 [N, C, H, W]
+inputs are images: crop and flip, normalization from 0..255, channels_last and resizing to a model's size,
+in whole batches on the device (airbench-style), after DataLoader workers read any files. Each epoch's order
+and augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
 
 import contextlib
 import csv
 import functools
 import io
 import math
-import signal
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,14 +25,13 @@ from configs import Config, UserError
 from models import input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
+IMAGE_SUFFIXES = tuple(".jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp .gif".split())  # ImageFolder's, GIF
 DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
 
 
 @dataclass
 class Source:
-    """What a dataset entry returns: each split as (inputs [N, ...], targets [N, ...]) tensors, or as
-    a torch Dataset of (input, target) pairs for DataLoader workers."""
+    """A dataset entry's splits, as (inputs [N, ...], targets [N, ...]) tensors or as Datasets for workers."""
 
     train: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
     val: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
@@ -43,10 +39,10 @@ class Source:
     pad: int = 0  # images: zero padding before the random crop (0: no crop)
     flip: bool = False  # images: left-right flips keep the labels
     stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
+    notes: list[str] = field(default_factory=list)  # said once at start-up: files skipped, and why
 
 
 # ---------------------------------------------------------------- the datasets
-
 
 def digits(cfg: Config) -> Source:
     """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image val split."""
@@ -56,14 +52,12 @@ def digits(cfg: Config) -> Source:
     images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
     labels = torch.from_numpy(bunch.target).long()
     val, train = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797)).split([360, 1437])
-    return Source((images[train], labels[train]), (images[val], labels[val]), [str(d) for d in range(10)],
-                  pad=1)
+    return Source((images[train], labels[train]), (images[val], labels[val]), list("0123456789"), pad=1)
 
 
 def synthetic(cfg: Config) -> Source:
     """Class templates (smooth random patterns) plus noise: learnable, deterministic, any shape."""
-    size = cfg.image_size or 16
-    g = torch.Generator().manual_seed(12345)
+    size, g = cfg.image_size or 16, torch.Generator().manual_seed(12345)
     coarse = torch.rand(cfg.num_classes, cfg.channels, 4, 4, generator=g)
     templates = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
 
@@ -81,62 +75,54 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     downloads while the others wait at a barrier: several writers would corrupt the archive."""
     import torchvision
 
-    cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir)
+    cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
     distributed = dist.is_available() and dist.is_initialized()
-    downloader = not distributed or dist.get_rank() == 0
-    if not downloader:
+    if not (downloader := not distributed or dist.get_rank() == 0):
         dist.barrier()
+    created = [d for d in (root / class_name / "raw", *(root / class_name / "raw").parents) if not d.exists()]
     try:
-        splits = [cls(str(root), train=t, download=False) for t in (True, False)]
-    except RuntimeError:  # not there: download, or remove the folders a failed download made
-        absolute = root.absolute()
-        created = [d for d in (absolute / class_name / "raw", absolute / class_name, absolute,
-                               *absolute.parents) if not d.exists()]  # deepest first
-        try:
-            if not downloader:
-                raise RuntimeError("rank 0 could not download it") from None
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                splits = [cls(str(root), train=t, download=True) for t in (True, False)]
-        except Exception as err:
-            for folder in created if downloader else ():
-                with contextlib.suppress(OSError):
-                    folder.rmdir()  # only if still empty
-            raise UserError(f"dataset {cfg.dataset} is not in {root.resolve()} and could not be downloaded "
-                            f"({type(err).__name__}); run once with network access, or copy the "
-                            f"torchvision {class_name} files there and pass --data-dir") from None
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                splits = [cls(str(root), train=t, download=False) for t in (True, False)]
+            except RuntimeError:  # not there: rank 0 downloads it (the others fail again)
+                splits = [cls(str(root), train=t, download=downloader) for t in (True, False)]
+    except Exception as err:  # remove the folders a failed download made (deepest first)
+        for folder in created if downloader else ():
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if still empty
+        raise UserError(f"dataset {cfg.dataset} is not in {_shown(root.resolve())} and could not be "
+                        f"downloaded ({type(err).__name__}); run once with network access, or copy the "
+                        f"torchvision {class_name} files there and pass --data-dir") from None
     finally:
         if downloader and distributed:
             dist.barrier()
-    tensors = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]
-    tensors = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)  # to [N, C, H, W]
-               for x, y in tensors]
-    return Source(*tensors, list(splits[0].classes), pad=pad, flip=flip)
+    pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
+    pairs = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y) for x, y in pairs]
+    return Source(*pairs, list(splits[0].classes), pad=pad, flip=flip)
 
 
 def image_folder(cfg: Config) -> Source:
-    """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout."""
+    """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout, each split read by _scan."""
     root, splits = Path(cfg.data_dir), ("train", "val")
-    layout = f"expected {root}/train/<class>/*.png|jpg and {root}/val/<class>/*"
+    layout = f"expected {_shown(root)}/train/<class>/*.png|jpg and {_shown(root)}/val/<class>/*"
     if missing := [root / split for split in splits if not (root / split).is_dir()]:
-        raise UserError(f"imagefolder: {missing[0]} is missing; {layout}")
+        raise UserError(f"imagefolder: {_shown(missing[0])} is missing; {layout}")
     names, val_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
     if names != val_names:
         raise UserError(f"imagefolder: train classes {names} differ from val {val_names}")
-    train, val = ([(path, i) for i, name in enumerate(names) for path in sorted((root / at / name).rglob("*"))
-                   if path.suffix.lower() in IMAGE_SUFFIXES] for at in splits)
+    classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
+    (train, notes), (val, val_notes) = (_scan(root / at, names, classes) for at in splits)
     if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
         raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}; {layout}")
-    return _image_files(cfg, train, val, names, flip=True)
+    return _image_files(cfg, train, val, names, flip=True, notes=notes + val_notes)
 
 
 def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
     root = Path(cfg.data_dir)
-    train = _csv_rows(root, "train.csv")
-    if (root / "val.csv").is_file():
-        val = _csv_rows(root, "val.csv")
-    else:  # the split's own seed: the same val images whatever --seed says
+    train, val = _csv_rows(root, "train.csv"), (root / "val.csv").is_file() and _csv_rows(root, "val.csv")
+    if not val:  # the split's own seed: the same val images whatever --seed says
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
         if len(held) == len(train):
@@ -152,21 +138,15 @@ def csv_images(cfg: Config) -> Source:
 
 
 # The one list of dataset names: --dataset, --help, the README table and the tests read it.
-DATASETS = {
-    "digits": digits,
-    "mnist": functools.partial(torchvision_set, "MNIST"),
-    "fashion_mnist": functools.partial(torchvision_set, "FashionMNIST"),
-    "cifar10": functools.partial(torchvision_set, "CIFAR10", pad=4, flip=True),
-    "cifar100": functools.partial(torchvision_set, "CIFAR100", pad=4, flip=True),
-    "imagefolder": image_folder,
-    "csv": csv_images,
-    "synthetic": synthetic,
-}
+DATASETS = {"digits": digits, "mnist": functools.partial(torchvision_set, "MNIST"),
+            "fashion_mnist": functools.partial(torchvision_set, "FashionMNIST"),
+            "cifar10": functools.partial(torchvision_set, "CIFAR10", pad=4, flip=True),
+            "cifar100": functools.partial(torchvision_set, "CIFAR100", pad=4, flip=True),
+            "imagefolder": image_folder, "csv": csv_images, "synthetic": synthetic}
 configs.REGISTRIES["dataset"] = DATASETS
 
 
 # ---------------------------------------------------------------- batches
-
 
 @dataclass
 class DataInfo:
@@ -197,12 +177,8 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
     the whole dataset from one (seed, epoch) generator and then sharded: the same on any device, and
     wherever in the epoch a resumed run starts."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    if shuffle:
-        order = torch.randperm(n, generator=g)
-        usable = n // world_size * world_size  # equal shards, as DistributedSampler(drop_last)
-    else:
-        order = torch.arange(n)
-        usable = n
+    order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
+    usable = n // world_size * world_size if shuffle else n  # training: equal shards, as DistributedSampler's
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
     shard = slice(rank, usable, world_size)
@@ -210,10 +186,9 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
 
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int) -> torch.Tensor:
-    """Random crop after zero padding, then horizontal flip, for a whole uint8 batch at once: one
-    gather of each output pixel's flat index into its padded image (flipped images read their columns
-    backwards), about 5x faster on CPU than 4-D fancy indexing. It reads nothing from the device, so
-    the caller, who knows whether there is a pad or a flip, skips it when there is neither."""
+    """Random crop after zero padding, then horizontal flip, for a whole uint8 batch at once: one gather of
+    each output pixel's flat index into its padded image (flipped images read their columns backwards), ~5x
+    faster on CPU than 4-D fancy indexing. It reads nothing from the device: skip it with no pad or flip."""
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
     padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
@@ -226,30 +201,21 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 
 class Batches:
-    """Batches for one split, from device-resident tensors or from a DataLoader.
-
-    `epoch(e, start)` yields this rank's batches of epoch e from batch `start` on; iterating the
-    object itself replays epoch 0 (enough for lr_find). Training drops the last partial batch,
-    evaluation never does. `image` None: the inputs are not images and pass as they are (floats
-    as float32).
-    """
+    """One split's batches, from device-resident tensors or a DataLoader: `epoch(e, start)` yields this rank's
+    batches of epoch e from batch `start` on; iterating it replays epoch 0 (enough for lr_find). Training
+    drops the last partial batch, evaluation never does. No `image`: inputs pass as is, floats as float32."""
 
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0):
-        self.source, self.labels, self.image = source, labels, image
-        self.on_device = isinstance(source, torch.Tensor)
+                 world_size: int = 1, num_workers: int = 0, init=None):  # init: a worker's first call
+        self.source, self.labels, self.image, self.worker_init = source, labels, image, init
+        self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
-        self.pixels = None  # what pictures show of a batch: its images, back in [0, 1]
+        self.pixels = self.denormalize if image else None  # what pictures show of a batch: images in [0, 1]
         if image is not None:
             self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
             self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
-            self.pixels = self.denormalize
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.source)
 
     def __len__(self) -> int:
         n = self.num_examples
@@ -261,9 +227,7 @@ class Batches:
         return self.epoch(0)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        image = self.image
-        pad = image.pad if image and self.train else 0
-        flip = bool(image and image.flip and self.train)
+        pad, flip = (self.image.pad, bool(self.image.flip)) if self.image and self.train else (0, False)
         order, offsets, flips = epoch_plan(self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
                                            flip=flip, rank=self.rank, world_size=self.world_size)
         count, bs = len(self), self.batch_size
@@ -278,7 +242,7 @@ class Batches:
         for i, (inputs, targets) in enumerate(raw, start):
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            if image is None:
+            if self.image is None:
                 yield (inputs.float() if inputs.is_floating_point() else inputs), targets
                 continue
             if pad or flip:
@@ -287,16 +251,15 @@ class Batches:
             yield self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
-        """One DataLoader for all epochs, so its workers start once; its sampler's indices are swapped
-        before each pass (one pass at a time). Its own generator keeps each pass from drawing its
-        workers' seed from the global RNG, which dropout draws from too: a resumed run (or one after
-        --lr find) would otherwise start its passes at other points of that stream."""
+        """One DataLoader for all epochs, so its workers start once, its sampler's indices swapped before each
+        pass. Its own generator keeps each pass from drawing its workers' seed from the global RNG, which
+        dropout draws from too: a resumed run (or one after --lr find) would start at other points of it."""
         if self._loader is None:
             self._order = []  # the sampler: a list, given each pass's order in place
             self._loader = torch.utils.data.DataLoader(
-                self.source, batch_size=self.batch_size, sampler=self._order,
-                num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-                persistent_workers=self.num_workers > 0, worker_init_fn=_leave_signals_to_the_main_process,
+                self.source, batch_size=self.batch_size, sampler=self._order, num_workers=self.num_workers,
+                pin_memory=self.device.type == "cuda", persistent_workers=self.num_workers > 0,
+                worker_init_fn=self.worker_init,
                 generator=torch.Generator().manual_seed(self.seed))
         self._order[:] = indices
         return iter(self._loader)
@@ -305,8 +268,7 @@ class Batches:
         memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
         x = images.to(dtype=torch.float32, memory_format=memory)
         if self.image.resize:
-            x = F.interpolate(x, size=(self.image.resize,) * 2, mode="bilinear")
-            x = x.contiguous(memory_format=memory)
+            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
         return x.mul_(self.scale).sub_(self.shift)
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -314,17 +276,15 @@ class Batches:
         return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
 
-def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
-                  world_size: int = 1) -> tuple[Batches, Batches, DataInfo]:
-    """Train and val batches for `cfg.dataset` on `device`, sharded for this rank."""
+def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
+                  worker_init=None) -> tuple[Batches, Batches, DataInfo]:
+    """Train and val batches of `cfg.dataset` on `device`, sharded for this rank; workers run worker_init."""
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
-    files = not isinstance(source.train, tuple)
-    sample = source.train[0][0]  # the first input: of the tensor, or read from the first file
-    shape = tuple(sample.shape)
-    images = sample.dtype == torch.uint8 and len(shape) == 3
-    needs, notes = input_needs(cfg.model, cfg.pretrained), []
+    files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
+    shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
+    needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
     if not images and needs.size:
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
@@ -362,9 +322,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
     sources = ([[t.to(device) for t in split] for split in splits] if mode == "device" else
                [(split if files else torch.utils.data.TensorDataset(*split), None) for split in splits])
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
-                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size)
-    train_batches = Batches(*sources[0], train=True, **common)
-    val_batches = Batches(*sources[1], train=False, **common)
+                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, init=worker_init)
+    train_batches, val_batches = (Batches(*s, train=i == 0, **common) for i, s in enumerate(sources))
     if len(train_batches) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({train_batches.num_examples}); lower --batch-size")
@@ -377,70 +336,103 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0,
 
 # ---------------------------------------------------------------- files and statistics
 
-
-def _leave_signals_to_the_main_process(worker: int) -> None:
-    """Where the main process handles signals (train.py: it saves first, and ends its workers when it
-    exits), a signal to the whole process group (systemd, Slurm, kill -TERM -PGID) must not kill them."""
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the parent's, inherited
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-
-
 class UnreadableImage(UserError):
     """An image file that cannot be decoded; the message names the file and its class folder. From a
     DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
 
     def __init__(self, message: str):
-        if "Original Traceback" in message:
-            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
-        super().__init__(message)
+        worker = "Original Traceback" in message
+        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
 
 
 def read_image(path: str, mode: str = "RGB"):
-    """torchvision's PIL loader (`mode` "RGB", or "L" for grayscale), failing in one line that says
-    which file and class it was."""
+    """PIL's loader (`mode` "RGB" or "L"), failing in one line naming the file and class; a GIF gives its
+    first frame; 16-bit (0..65535) and float (0..1) values, widened to the image's range, map to 0..255."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert(mode)
+            image = Image.open(f)
+            if image.mode[0] in "IF":  # "I;16", "I;16B", ..., "I" (32-bit integers), "F" (32-bit floats)
+                values = np.nan_to_num(np.asarray(image, dtype=np.float64), posinf=0, neginf=0)  # nan, inf: 0
+                low, high = min(values.min(), 0), max(values.max(), 1 if image.mode == "F" else 65535)
+                image = Image.fromarray(np.interp(values, (low, high), (0, 255)).round().astype(np.uint8))
+            return image.convert(mode)
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
-        reason = "not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else (
-            str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__)
-        folder = Path(path).parent.name
-        raise UnreadableImage(f"cannot read image {path} (class folder {folder!r}): {reason}") from None
+        reason = ("not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else
+                  (str(err).strip().splitlines() or [type(err).__name__])[0][:100])
+        shown, folder = _shown(path), Path(path).parent.name
+        raise UnreadableImage(f"cannot read image {shown} (class folder {folder!r}): {reason}") from None
+
+
+def _shown(path) -> str:  # a path in a one-line message: repr'd if it holds a control character
+    return str(path) if str(path).isprintable() else repr(str(path))
+
+
+def _scan(split: Path, names: list[str], classes: dict[str, str]) -> tuple[list[tuple[Path, int]], list[str]]:
+    """Each class folder's images as sorted (path, class index) pairs, and a note of what was skipped. Links
+    are followed once, after the real entries: what is reached twice is read once; a link into another
+    class's folder (`classes`: their real paths; either split) is skipped, as its images are that class's."""
+    items, skipped, seen = [], {}, set()
+
+    def visit(path: Path, real: str, link: bool, is_dir: bool) -> None:  # in class `name`
+        around = [real, *map(str, Path(real).parents)] if link else [real]  # the class folder it is in
+        owner = next((classes[p] for p in around if p in classes), name)
+        reason = ("links into another class" if owner != name else "reached twice" if real in seen
+                  else "broken links" if link and not os.path.exists(path)
+                  else "not images" if not is_dir and path.suffix.lower() not in IMAGE_SUFFIXES else None)
+        try:
+            entries = sorted(os.scandir(path), key=lambda entry: entry.name) if is_dir and not reason else []
+        except OSError:
+            reason = "unreadable folders"
+        if reason:
+            return skipped.setdefault(reason, []).append(_shown(path.relative_to(split)))
+        seen.add(real)
+        found.extend([] if is_dir else [path])
+        for entry in entries:  # links wait until the real entries have their own paths
+            if entry.is_symlink():
+                links.append(Path(entry.path))
+            else:
+                visit(Path(entry.path), os.path.join(real, entry.name), False, entry.is_dir())
+
+    for label, name in enumerate(names):
+        found, links = [], [split / name]  # the class folder first, as it may itself be a link
+        for link in links:  # a list that grows as linked folders are read
+            visit(link, os.path.realpath(link), True, os.path.isdir(link))
+        items += [(path, label) for path in sorted(found)]
+    count, why = sum(map(len, skipped.values())), "; ".join(
+        f"{reason}: {len(what)} ({', '.join(sorted(set(what))[:3])})" for reason, what in skipped.items())
+    return items, [f"imagefolder: skipped {count} in {split.name}/ - {why}"] if skipped else []
 
 
 class _Files(torch.utils.data.Dataset):
     """(path, class index) pairs read as images, as ImageFolder reads its folders."""
 
-    def __init__(self, items: list[tuple[Path, int]], transform, loader):
-        self.items, self.transform, self.loader = items, transform, loader
+    def __init__(self, items: list[tuple[Path, int]], transform, mode: str):
+        self.items, self.transform, self.mode = items, transform, mode
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int):
-        return self.transform(self.loader(str(self.items[i][0]))), self.items[i][1]
+        return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
-def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool) -> Source:
+def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool, notes=()) -> Source:
     """(path, class index) lists as a Source read by workers: each image resized, center-cropped and
     made uint8 CHW, RGB or grayscale, normalized with ImageNet's statistics (their mean if gray)."""
-    from torchvision import transforms
+    from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
         raise UserError(f"{cfg.dataset} loads images as RGB (--channels 3) or grayscale (--channels 1), "
                         f"not with {cfg.channels} channels")
     needs = input_needs(cfg.model, cfg.pretrained)
     size = cfg.image_size or needs.crop or max(needs.size, 32)
-    transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
-                                    transforms.PILToTensor()])
-    loader = functools.partial(read_image, mode="L" if cfg.channels == 1 else "RGB")
-    mean, std = (torch.tensor(s) for s in IMAGENET_STATS)
+    transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])
+    mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
-    return Source(_Files(train, transform, loader), _Files(val, transform, loader), names,
-                  pad=max(size // 8, 1), flip=flip, stats=stats)
+    return Source(_Files(train, transform, mode), _Files(val, transform, mode), names,
+                  pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes))
 
 
 def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
@@ -449,11 +441,10 @@ def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
         with open(root / name, newline="", encoding="utf-8") as f:
             rows = [(root / row[0].strip(), row[1].strip()) for row in list(csv.reader(f))[1:] if row]
     except (OSError, UnicodeDecodeError, csv.Error, IndexError) as err:
-        raise UserError(f"csv: cannot read {root / name} as UTF-8 rows of file,label under a header "
+        raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
-    missing = next((file for file, _ in rows if not file.is_file()), None)
-    if not rows or missing:
-        what = f"names {missing}, which does not exist" if rows else "has no rows"
-        raise UserError(f"csv: {root / name} {what}")
+    if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
+        what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
+        raise UserError(f"csv: {_shown(root / name)} {what}")
     return rows
 

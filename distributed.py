@@ -267,6 +267,14 @@ class Signals:
 SIGNALS = Signals()  # one per process, as signal handlers are
 
 
+def worker_init(worker: int) -> None:
+    """A DataLoader worker's first step: where the main process handles signals (train.py saves first,
+    then ends its workers), a signal to the whole group (systemd, Slurm, kill -TERM -PGID) spares it."""
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the parent's, inherited
+        for sig in Signals.NAMES:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _end_workers() -> None:
     """At exit: DataLoader workers leave signals to this process (data.py), so the SIGTERM with which
     multiprocessing ends them would be ignored, and its wait for them last for ever. (Their end is not

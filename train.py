@@ -76,7 +76,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     torch.manual_seed(cfg.seed)
 
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
-    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size)
+    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, distributed.worker_init)
     batches = len(train_batches)
     data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
