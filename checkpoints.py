@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configs import Config, UserError, check_resumable, resumed_config
+from configs import Config, UserError
+from configs.resolve import check_resumable, resumed_config
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:

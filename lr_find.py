@@ -335,7 +335,7 @@ def sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device, batches_pe
     """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 with
     `batches_per_step` batches a step), and what it wrote: a record naming the task, for --lr auto."""
     from checkpoints import reporting_write_errors
-    from configs import task_identity
+    from configs.resolve import task_identity
     from models import OPTIMIZERS, build_optimizer
 
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))

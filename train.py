@@ -30,7 +30,7 @@ import distributed
 import logs
 import lr_find
 import task as default_task
-from configs import Config, UserError, parse_given
+from configs import Config, UserError, parse_given, resolve
 from data import UnreadableImage, build_loaders
 from models import amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
@@ -71,7 +71,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     is_main = rank == 0  # rank 0 alone prints, logs and saves
     say = print if is_main else (lambda *a, **k: None)
     out_dir = Path(cfg.out_dir)
-    lr = configs.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
+    lr = resolve.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
     distributed.on_rank0(checkpoints.claim_out_dir, out_dir, path)
     torch.manual_seed(cfg.seed)
 
@@ -377,7 +377,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
-    cfg = configs.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
+    cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
     rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)

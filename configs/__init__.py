@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import math
 import shlex
 import sys
@@ -322,113 +321,6 @@ def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
 def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
     """Build the Config from defaults, an optional --config TOML and command-line flags."""
     return validate(Config(**parse_given(argv, description)))
-
-
-def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
-    """The config a resume runs with: the checkpoint's, with the settings given now on top.
-
-    --lr auto or find given again means the rate the run already used (a number in the checkpoint).
-    --allow-more-epochs is a permission for this command only, so it is never taken from the
-    checkpoint. Without --out-dir, `--resume PATH` continues in PATH's folder.
-    """
-    given = dict(given)
-    if given.get("lr") in LR_WORDS:
-        del given["lr"]
-    if "out_dir" not in given and given.get("resume", "auto") != "auto":
-        given["out_dir"] = str(Path(checkpoint).parent)
-    try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
-        saved = {k: _convert(k, v) if k != "resume" else v for k, v in saved.items() if k in _FIELDS}
-    except UserError as err:
-        raise UserError(f"checkpoint {checkpoint}'s config is damaged ({err}); resume from another "
-                        "checkpoint, or start a new run") from None
-    return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}))
-
-
-# What --evaluate takes from its command line; the model and data settings come from the checkpoint.
-EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
-
-
-def evaluated_config(cfg: Config, given: dict, saved) -> Config:
-    """The config --evaluate runs with. A checkpoint of ours (`saved`: its config) is built as it was
-    trained and run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with cfg."""
-    if isinstance(saved, dict):
-        here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
-        cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, "resume": "",
-                        "init_from": "", "evaluate": str(Path(cfg.evaluate))})
-    return validate(cfg)
-
-
-def check_resumable(saved: dict, cfg: Config) -> None:
-    """Refuse a resume whose config would change what the saved state means."""
-    saved = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default
-    diffs = [f"{f.name}: {saved.get(f.name)!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-             if not f.metadata["may_change"] and saved.get(f.name) != getattr(cfg, f.name)]
-    if cfg.allow_more_epochs and cfg.schedule in LENGTH_FREE_SCHEDULES:
-        diffs = [d for d in diffs if not (d.startswith("epochs:") and cfg.epochs > saved["epochs"])]
-    longer = any(d.startswith("epochs:") for d in diffs) and cfg.schedule in LENGTH_FREE_SCHEDULES
-    if diffs:
-        raise UserError(f"cannot resume: the config differs from the checkpoint's ({'; '.join(diffs)})"
-                        f"; {'add --allow-more-epochs to train longer, or ' if longer else ''}resume "
-                        "without those flags, or start a new run with a new --out-dir")
-
-
-def lr_setup_differences(measured: dict, cfg: Config, unread: tuple[str, ...] = ()) -> list[str]:
-    """The settings that can move the best learning rate (all but keeps_lr ones) and differ between a
-    sweep's config and cfg. `unread`: settings that neither optimizer reads (momentum for two adamw)."""
-    measured = {**Config().to_dict(), **measured}
-    return [f"{f.name}: {measured[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-            if not f.metadata["keeps_lr"] and f.name not in unread
-            and measured[f.name] != getattr(cfg, f.name)]
-
-
-def resolve_lr(cfg: Config, task, say=print) -> float | None:
-    """The rate a run trains with: a number as given; None for --lr find, which sweeps once the model
-    is built; for --lr auto, lr_find.json's suggestion for this schedule (onecycle's peak, the others'
-    starting rate) if it was measured on this setup and task (task: its module)."""
-    if cfg.lr != "auto":
-        return None if cfg.lr == "find" else float(cfg.lr)
-    path = Path(cfg.out_dir) / "lr_find.json"
-    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
-    others = "or use --lr find, or pass a number such as --lr 0.1"
-    if not path.is_file():
-        raise UserError(f"--lr auto needs {path}, which does not exist; run `{refind}` first, {others}")
-    try:
-        record = json.loads(path.read_text())
-        measured_on, families = dict(record["config"]), dict(record.get("suggestions") or {})
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
-                        f"{others}") from None
-    optimizers = REGISTRIES["optimizer"]  # momentum counts only between sweeps of optimizers that read it
-    read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in optimizers
-            for s in optimizers[name].settings}
-    unread = tuple(s for entry in optimizers.values() for s in entry.settings if s not in read)
-    differences = lr_setup_differences(measured_on, cfg, unread)
-    swept, here = measured_on.get("task"), task_identity(task)
-    if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
-        differences.append(f"task: {swept} -> {here}")
-    serving = [f for f in families.values() if isinstance(f, dict) and cfg.schedule in f.get("schedules", [])]
-    if not serving:
-        differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
-    if differences:
-        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
-                        f"not carry over; measure this one's with `{refind}`, {others}")
-    suggestion, rule = serving[0].get("lr"), serving[0].get("method")
-    if type(suggestion) not in (int, float) or not 0 < suggestion < math.inf:
-        raise UserError(f"{path} holds no usable suggestion for --schedule {cfg.schedule} ({suggestion!r}); "
-                        f"run `{refind}` with a wider --find-start-lr/--find-end-lr, {others}")
-    what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
-    say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} ({what}, "
-        f"rule {rule})")
-    return float(suggestion)
-
-
-def task_identity(task) -> dict:
-    """The task a sweep measured (lr_find.json's config["task"]): its name and a hash of its source, so
-    that an edited loss counts as another task."""
-    import hashlib
-    import inspect
-
-    return {"name": task.NAME, "source": hashlib.sha256(inspect.getsource(task).encode()).hexdigest()[:16]}
 
 
 def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> str:

@@ -18,7 +18,8 @@ import checkpoints
 import configs
 import task
 import train
-from configs import UserError, lr_setup_differences, parse_config, resumed_config
+from configs import UserError, parse_config, resolve
+from configs.resolve import lr_setup_differences, resumed_config
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
         "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
@@ -33,7 +34,7 @@ def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
     """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
-    config["task"] = configs.task_identity(task)
+    config["task"] = resolve.task_identity(task)
     families = {"peak": {"lr": suggestion, "method": "minimum", "schedules": ["onecycle"]},
                 "base": {"lr": suggestion, "method": "min/3",
                          "schedules": ["constant", "step", "cosine", "warmup"]}}
@@ -72,18 +73,18 @@ def test_lr_auto_refuses_a_rate_measured_on_another_setup(swept, shown, tmp_path
 def test_lr_auto_takes_the_rate_of_the_same_setup(tmp_path):
     write_sweep(tmp_path, 0.05, *TINY, "--epochs", "9", "--seed", "3", "--find-iters", "80")
     cfg = parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)])
-    assert configs.resolve_lr(cfg, task) == 0.05  # epochs, seed and the sweep's own settings do not count
+    assert resolve.resolve_lr(cfg, task) == 0.05  # epochs, seed and the sweep's own settings do not count
 
 
 def test_momentum_counts_only_for_sgd(tmp_path):
     """The optimizer registry says which settings each optimizer reads: two adamw sweeps ignore
     momentum and nesterov, two sgd ones do not."""
     write_sweep(tmp_path, 0.05, *TINY, "--optimizer", "adamw", "--momentum", "0.5", "--no-nesterov")
-    assert configs.resolve_lr(parse_config([*TINY, "--optimizer", "adamw", "--lr", "auto",
+    assert resolve.resolve_lr(parse_config([*TINY, "--optimizer", "adamw", "--lr", "auto",
                                           "--out-dir", str(tmp_path)]), task) == 0.05
     write_sweep(tmp_path, 0.05, *TINY, "--no-nesterov")
     with pytest.raises(UserError, match="nesterov: False -> True"):
-        configs.resolve_lr(parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)]), task)
+        resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)]), task)
 
 
 def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
@@ -91,12 +92,12 @@ def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
     suggestions = {"peak": {"lr": 0.05, "method": "minimum", "schedules": ["onecycle"]},
                    "base": {"lr": 0.01, "method": "knee", "schedules": ["constant", "step", "cosine"]}}
     write_sweep(tmp_path, 0.05, *TINY, suggestions=suggestions)
-    lr_of = {name: configs.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
+    lr_of = {name: resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
                                                   "--out-dir", str(tmp_path)]), task)
              for name in ("onecycle", "cosine")}
     assert lr_of == {"onecycle": 0.05, "cosine": 0.01}
     with pytest.raises(UserError, match="schedule: none of its suggestions serves 'warmup'"):
-        configs.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs",
+        resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs",
                                          "1", "--out-dir", str(tmp_path)]), task)
 
 
@@ -115,7 +116,7 @@ def test_lr_find_trains_exactly_as_the_rate_it_found(tmp_path, capsys):
     assert plain["lr"] == found["lr"]
     assert_same_state(final_state(tmp_path / "find" / "last.pt"), final_state(tmp_path / "p" / "last.pt"))
     again = parse_config([*argv, "--lr", "auto", "--out-dir", str(tmp_path / "find")])
-    assert configs.resolve_lr(again, task) == found["lr"]  # and --lr auto accepts the sweep as this setup's
+    assert resolve.resolve_lr(again, task) == found["lr"]  # and --lr auto accepts the sweep as this setup's
 
 
 def test_lr_find_without_a_suggestion_is_one_line(tmp_path, monkeypatch, capsys):
@@ -261,7 +262,6 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
     """A setting is compared by default (a new one too); the ones that cannot move the rate say so."""
     import dataclasses
 
-    import configs
 
     assert configs.setting(1, "a new setting").metadata["keeps_lr"] is False
     base = parse_config([*TINY])

@@ -11,10 +11,9 @@ import sys
 import pytest
 from conftest import ROOT, read_scalars
 
-import configs
 import lr_find
 import task
-from configs import parse_config
+from configs import parse_config, resolve
 
 
 def tensorboard_image(log_dir, tag: str):
@@ -67,7 +66,7 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
     losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
     result = lr_find._result(lrs, losses, losses, "completed", "cosine", "min/10", "sgd")
     config = parse_config(["--out-dir", str(tmp_path), "--schedule", "cosine", "--find-method", "min/10"])
-    lr_find.save_sweep(result, {**config.to_dict(), "task": configs.task_identity(task)}, tmp_path)
+    lr_find.save_sweep(result, {**config.to_dict(), "task": resolve.task_identity(task)}, tmp_path)
     record = json.loads((tmp_path / "lr_find.json").read_text())
     peak = record["suggestions"]["peak"]
     assert record["schedule"] == "cosine" and record["method"] == "min/10" and peak["method"] == "minimum"
@@ -77,7 +76,7 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
         cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto", "--schedule", schedule,
                             "--warmup-epochs", "1" if schedule == "warmup" else "0"])
         said = []
-        assert configs.resolve_lr(cfg, task, said.append) == expected
+        assert resolve.resolve_lr(cfg, task, said.append) == expected
         assert f"for --schedule {schedule}" in said[0]
 
 
@@ -149,4 +148,4 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
     assert said == (f"next: python train.py --dataset synthetic --synthetic-size 512 --width 8 "
                     f"--out-dir '{tmp_path / 'a b'}' --lr auto")
     saved = json.loads((tmp_path / "a b" / "lr_find.json").read_text())
-    assert configs.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]
+    assert resolve.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]

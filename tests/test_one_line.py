@@ -12,10 +12,9 @@ import pytest
 from conftest import ROOT, fingerprint, run_main
 
 import checkpoints
-import configs
 import task
 import train
-from configs import parse_config
+from configs import parse_config, resolve
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2", "--image-size", "8",
         "--width", "4", "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--num-workers", "0"]
@@ -37,7 +36,7 @@ def one_line(code, out: str, err: str) -> str:
 @pytest.mark.parametrize("suggestion", ["0.1", -0.1, math.nan, math.inf, True, None])
 def test_a_hand_edited_suggestion_is_refused(suggestion, finished, monkeypatch, capsys):
     config = parse_config([*TINY, "--out-dir", str(finished)]).to_dict()
-    config["task"] = configs.task_identity(task)
+    config["task"] = resolve.task_identity(task)
     families = {"peak": {"lr": suggestion, "method": "minimum", "schedules": ["onecycle"]}}
     (finished / "lr_find.json").write_text(json.dumps({"config": config, "suggestions": families}))
     kept = fingerprint(finished)
