@@ -9,16 +9,15 @@ checkpoint, no unfinished run to overwrite.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import importlib
+import io
 import json
 import os
 import pickle
 import random
 import shutil
-import socket
 import sys
 import zipfile
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from torch import nn
 
 from configs import Config, UserError
 from configs.resolve import check_resumable, resumed_config
+from distributed import lock_out_dir
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
@@ -251,6 +251,22 @@ def _reason(err: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+@contextlib.contextmanager
+def downloading(folder: Path, failed: str):
+    """A download into `folder`, quiet: a failure (no network, a proxy, a bad hash, a full disk) is one
+    UserError line, `failed` with its {reason}, and the folders it made are removed while empty."""
+    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]  # deepest first
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except Exception as err:
+        for empty in created:
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+        reason = (str(getattr(err, "reason", "") or err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(failed.format(reason=reason[:100])) from None
+
+
 # ---------------------------------------------------------------- resume
 
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config")  # train.py's save_checkpoint
@@ -339,13 +355,13 @@ def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
 
 def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
     """Before any data is loaded: --out-dir can be written, holds no unfinished run that this one would
-    overwrite, and no other live run. This process then owns the folder until it exits (.lock holds
-    its pid and host), and removes the temporary files that a save killed midway left there."""
+    overwrite, and no other live run. This process then owns the folder (distributed.lock_out_dir) and
+    removes the temporary files that a save killed midway left there."""
     check_writable_dir(out_dir)
     last = out_dir / "last.pt"
     if resumed_from is None or resumed_from.resolve() != last.resolve():
         refuse_unfinished_run(last, resumed_from)
-    _lock(out_dir)
+    lock_out_dir(out_dir)
     for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
         if not tmp.name.endswith(f".{os.getpid()}.tmp"):
             tmp.unlink(missing_ok=True)
@@ -363,69 +379,6 @@ def refuse_unfinished_run(path: Path, resumed_from: Path | None = None) -> None:
         raise UserError(f"{path} holds an unfinished run (step {step} of {total}) that {this} would "
                         f"overwrite; continue it with --resume --out-dir {path.parent}, or pick another "
                         "--out-dir, or delete the file to start over")
-
-
-def _lock(out_dir: Path) -> None:
-    """out_dir/.lock for this process, released (with the folders made for it, if empty) at its exit.
-    A lock of a process that is gone (a kill -9) is taken over; one of a live run is refused."""
-    path, mine = out_dir / ".lock", f"{os.getpid()} {socket.gethostname()}"
-    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            with open(path, "x") as f:
-                f.write(mine)
-            break
-        except FileExistsError:
-            held = path.read_text(errors="replace").split()
-            if held[:2] == mine.split():
-                return  # this process's own, from an earlier run in it
-            pid, host = (int(held[0]), held[1]) if len(held) >= 2 and held[0].isdigit() else (0, "")
-            if host == socket.gethostname() and pid and _alive(pid):
-                raise UserError(f"{out_dir} is in use by another run (process {pid}); wait for it to end, "
-                                "or pick another --out-dir") from None
-            if host not in ("", socket.gethostname()):
-                raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
-                                f"there, delete {path}, or pick another --out-dir") from None
-            path.unlink(missing_ok=True)  # the run that held it is gone
-    if not _HELD:
-        atexit.register(release_all)
-    _HELD.append((path, mine, created))
-
-
-_HELD = []  # this process's locks: (path, its text, the folders made for it)
-
-
-@contextlib.contextmanager
-def holding(out_dir: Path):
-    """The block during which this process's run owns out_dir: its lock (claim_out_dir's) goes at the
-    end, whatever ends it; release_all() lets go of the rest (train.py's main, and at exit)."""
-    try:
-        yield
-    finally:
-        release_all(out_dir / ".lock")
-
-
-def release_all(only: Path | None = None) -> None:
-    """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
-    for held in [h for h in _HELD if only is None or h[0] == only]:
-        _HELD.remove(held)
-        path, mine, created = held
-        with contextlib.suppress(OSError):
-            if path.read_text() == mine:
-                path.unlink()
-            for folder in created:
-                folder.rmdir()  # only while empty
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

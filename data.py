@@ -5,14 +5,12 @@ inputs are images: crop and flip, normalization from 0..255, channels_last and r
 in whole batches on the device (airbench-style), after DataLoader workers read any files. Each epoch's order
 and augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
 
-import contextlib
 import csv
 import functools
-import io
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configs
+from checkpoints import downloading
 from configs import Config, UserError
-from models import input_needs
+from models import fit_images, input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 IMAGE_SUFFIXES = tuple(".jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp .gif".split())  # ImageFolder's, GIF
@@ -71,28 +70,21 @@ def synthetic(cfg: Config) -> Source:
 
 
 def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = False) -> Source:
-    """A torchvision dataset, downloaded into --data-dir the first time. Under torchrun rank 0 alone
-    downloads while the others wait at a barrier: several writers would corrupt the archive."""
+    """A torchvision dataset, downloaded into --data-dir the first time (under torchrun by rank 0 alone)."""
     import torchvision
 
     cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
     distributed = dist.is_available() and dist.is_initialized()
     if not (downloader := not distributed or dist.get_rank() == 0):
-        dist.barrier()
-    created = [d for d in (root / class_name / "raw", *(root / class_name / "raw").parents) if not d.exists()]
+        dist.barrier()  # the others wait: several writers would corrupt the archive
+    failed = (f"dataset {cfg.dataset} is not in {_shown(root.resolve())} and could not be downloaded "
+              f"({{reason}}); run once with network access, or copy torchvision's {class_name} files there")
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with downloading(root / class_name / "raw", failed):
             try:
                 splits = [cls(str(root), train=t, download=False) for t in (True, False)]
             except RuntimeError:  # not there: rank 0 downloads it (the others fail again)
                 splits = [cls(str(root), train=t, download=downloader) for t in (True, False)]
-    except Exception as err:  # remove the folders a failed download made (deepest first)
-        for folder in created if downloader else ():
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only if still empty
-        raise UserError(f"dataset {cfg.dataset} is not in {_shown(root.resolve())} and could not be "
-                        f"downloaded ({type(err).__name__}); run once with network access, or copy the "
-                        f"torchvision {class_name} files there and pass --data-dir") from None
     finally:
         if downloader and distributed:
             dist.barrier()
@@ -157,6 +149,7 @@ class DataInfo:
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
+    preprocess: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
 
 
 @dataclass
@@ -173,9 +166,8 @@ class ImageSteps:
 
 def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, flip: bool = False,
                rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's example order, crop offsets and flip flags for one epoch (CPU tensors), drawn for
-    the whole dataset from one (seed, epoch) generator and then sharded: the same on any device, and
-    wherever in the epoch a resumed run starts."""
+    """This rank's example order, crop offsets and flip flags for an epoch, drawn for the whole dataset from
+    one (seed, epoch) generator, then sharded: the same on any device, wherever a resumed run starts."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
     usable = n // world_size * world_size if shuffle else n  # training: equal shards, as DistributedSampler's
@@ -186,9 +178,8 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
 
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int) -> torch.Tensor:
-    """Random crop after zero padding, then horizontal flip, for a whole uint8 batch at once: one gather of
-    each output pixel's flat index into its padded image (flipped images read their columns backwards), ~5x
-    faster on CPU than 4-D fancy indexing. It reads nothing from the device: skip it with no pad or flip."""
+    """Random crop after zero padding, then flip, for a uint8 batch: one gather of each pixel's flat index in
+    its padded image (flips read columns backwards), ~5x faster than 4-D indexing; no device reads."""
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
     padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
@@ -201,9 +192,8 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 
 class Batches:
-    """One split's batches, from device-resident tensors or a DataLoader: `epoch(e, start)` yields this rank's
-    batches of epoch e from batch `start` on; iterating it replays epoch 0 (enough for lr_find). Training
-    drops the last partial batch, evaluation never does. No `image`: inputs pass as is, floats as float32."""
+    """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
+    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is."""
 
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
@@ -251,9 +241,8 @@ class Batches:
             yield self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
-        """One DataLoader for all epochs, so its workers start once, its sampler's indices swapped before each
-        pass. Its own generator keeps each pass from drawing its workers' seed from the global RNG, which
-        dropout draws from too: a resumed run (or one after --lr find) would start at other points of it."""
+        """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
+        generator, as the global one (dropout's too) would start a resumed run's passes elsewhere."""
         if self._loader is None:
             self._order = []  # the sampler: a list, given each pass's order in place
             self._loader = torch.utils.data.DataLoader(
@@ -290,23 +279,10 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
     image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
-        if needs.size and (size != needs.size if needs.exact else size < needs.size):
-            want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
-            if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
-                raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} "
-                                "(or leave it out)")
-            resize = needs.size
-            notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to "
-                         f"{resize}x{resize} on the device")
         if source.stats is None:  # the training images' own statistics
             x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
             source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
-        mean, std = source.stats
-        if needs.mean:  # --pretrained: the normalization the weights were trained with
-            mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
-            if channels != 3:
-                mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
-            notes.append(f"inputs normalized with {needs.weights}'s mean and std")
+        resize, mean, std = fit_images(cfg, channels, size, *source.stats, notes)  # what the model asks
         image = ImageSteps(mean, std, source.pad if cfg.augment else 0,
                            source.flip and cfg.flip and cfg.augment, cfg.channels_last, resize)
     else:
@@ -329,9 +305,32 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
                         f"set ({train_batches.num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
+    prep = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
+                      "std": image.std.tolist()}
     info = DataInfo((shape[0], resize, resize) if resize else shape, list(source.names),
-                    train_batches.num_examples, val_batches.num_examples, loader, images, notes)
+                    train_batches.num_examples, val_batches.num_examples, loader, images, notes, prep)
     return train_batches, val_batches, info
+
+
+def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device) -> tuple:
+    """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
+    as its run read its own (`prep`: its DataInfo.preprocess, which its checkpoint keeps); files; skipped."""
+    if not path.exists():
+        raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
+    listed = path.suffix.lower() == ".csv"  # its rows name the images: taken as they are
+    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False)] if listed else
+             sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
+    if not files:
+        raise UserError(f"--predict {_shown(path)}: no images ({', '.join(IMAGE_SUFFIXES)}) in it")
+    skipped = f"skipped {len(found) - len(files)} files that are not images" * (len(found) > len(files))
+    reading = replace(cfg, image_size=prep["size"], channels=prep["channels"])
+    steps = ImageSteps(torch.tensor(prep["mean"]), torch.tensor(prep["std"]), channels_last=cfg.channels_last,
+                       resize=prep["resize"])
+    files_source = _image_files(reading, [(f, 0) for f in files], [], [], flip=False).train
+    batches = Batches(files_source, None, batch_size=cfg.batch_size, train=False, seed=cfg.seed,
+                      device=device, image=steps, num_workers=cfg.num_workers)
+    return batches, files, skipped
 
 
 # ---------------------------------------------------------------- files and statistics
@@ -435,11 +434,12 @@ def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bo
                   pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes))
 
 
-def _csv_rows(root: Path, name: str) -> list[tuple[Path, str]]:
-    """root/name's rows under its header: a file (relative to root) and its label, the first two columns."""
+def _csv_rows(root: Path, name: str, labels: bool = True) -> list[tuple[Path, str | None]]:
+    """root/name's rows under its header: a file (relative to root), and with labels its label (next)."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
-            rows = [(root / row[0].strip(), row[1].strip()) for row in list(csv.reader(f))[1:] if row]
+            rows = [(root / row[0].strip(), row[1].strip() if labels else None)
+                    for row in list(csv.reader(f))[1:] if row]
     except (OSError, UnicodeDecodeError, csv.Error, IndexError) as err:
         raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None

@@ -1,5 +1,5 @@
-"""Where the run's processes work and how they agree: the device, torchrun's process group
-and its collectives, and the signals that stop a run.
+"""Where the run's processes work and how they agree: the device, torchrun's process group and its
+collectives, the one process that owns a run folder, and the signals that stop a run.
 
 Under torchrun every process runs train.py; rank 0 alone prints, logs and saves, and decisions
 that only rank 0 can make (its files, a signal it received) reach the others by a collective.
@@ -13,9 +13,11 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -164,6 +166,72 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+# ---------------------------------------------------------------- one run per folder
+
+
+def lock_out_dir(out_dir: Path) -> None:
+    """out_dir/.lock for this process, released (with the folders made for it, if empty) at its exit.
+    A lock of a process that is gone (a kill -9) is taken over; one of a live run is refused."""
+    path, mine = out_dir / ".lock", f"{os.getpid()} {socket.gethostname()}"
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            with open(path, "x") as f:
+                f.write(mine)
+            break
+        except FileExistsError:
+            held = path.read_text(errors="replace").split()
+            if held[:2] == mine.split():
+                return  # this process's own, from an earlier run in it
+            pid, host = (int(held[0]), held[1]) if len(held) >= 2 and held[0].isdigit() else (0, "")
+            if host == socket.gethostname() and pid and _alive(pid):
+                raise UserError(f"{out_dir} is in use by another run (process {pid}); wait for it to end, "
+                                "or pick another --out-dir") from None
+            if host not in ("", socket.gethostname()):
+                raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
+                                f"there, delete {path}, or pick another --out-dir") from None
+            path.unlink(missing_ok=True)  # the run that held it is gone
+    if not _HELD:
+        atexit.register(release_all)
+    _HELD.append((path, mine, created))
+
+
+_HELD = []  # this process's locks: (path, its text, the folders made for it)
+
+
+@contextlib.contextmanager
+def holding(out_dir: Path):
+    """The block during which this process's run owns out_dir: its lock (claim_out_dir's) goes at the
+    end, whatever ends it; release_all() lets go of the rest (train.py's main, and at exit)."""
+    try:
+        yield
+    finally:
+        release_all(out_dir / ".lock")
+
+
+def release_all(only: Path | None = None) -> None:
+    """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
+    for held in [h for h in _HELD if only is None or h[0] == only]:
+        _HELD.remove(held)
+        path, mine, created = held
+        with contextlib.suppress(OSError):
+            if path.read_text() == mine:
+                path.unlink()
+            for folder in created:
+                folder.rmdir()  # only while empty
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 # ---------------------------------------------------------------- failures said in one line

@@ -9,7 +9,6 @@ optimizers, each with its kind, which lr_find's rules read.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import os
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 import configs
-from checkpoints import load_checkpoint
+from checkpoints import downloading, load_checkpoint
 from configs import Config, UserError
 
 
@@ -137,6 +136,26 @@ def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
     return needs
 
 
+def fit_images(cfg: Config, channels: int, size: int, mean: torch.Tensor, std: torch.Tensor,
+               notes: list[str]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The side images of `size` px are resized to for cfg.model (0: none), and the mean and std they
+    are normalized with (--pretrained: its weights'); what changed goes into `notes`."""
+    needs, resize = input_needs(cfg.model, cfg.pretrained), 0
+    if needs.size and (size != needs.size if needs.exact else size < needs.size):
+        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
+        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
+            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
+        resize = needs.size
+        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
+                     f"{resize} on the device")
+    if needs.mean:  # --pretrained: the normalization the weights were trained with
+        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
+        if channels != 3:
+            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
+        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
+    return resize, mean, std
+
+
 def build_model(cfg: Config, channels: int, num_outputs: int,
                 device: torch.device | str = "cpu") -> nn.Module:
     """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it.
@@ -246,21 +265,12 @@ def _pretrained_weights(name: str) -> dict:
     folder = Path(torch.hub.get_dir()) / "checkpoints"
     file = folder / os.path.basename(urlparse(weights.url).path)
     if not file.is_file():
-        created = [f for f in (folder, *folder.parents) if not f.exists()]
-        try:
+        failed = (f"--pretrained needs {file.name} and could not download it ({{reason}}); without network, "
+                  f"copy it from {weights.url} into {folder} ($TORCH_HOME/hub/checkpoints)")
+        with downloading(folder, failed):
             folder.mkdir(parents=True, exist_ok=True)
             digest = torch.hub.HASH_REGEX.search(file.name)  # torchvision checks it too
-            torch.hub.download_url_to_file(weights.url, str(file), digest and digest.group(1),
-                                           progress=False)
-        except Exception as err:  # no network (URLError), a proxy, a bad hash, a full disk, ...
-            for empty in created:  # leave no folders behind that only the failed download made
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
-            reason = str(getattr(err, "reason", "") or err).strip().splitlines()
-            reason = reason[0][:100] if reason else type(err).__name__
-            raise UserError(f"--pretrained needs {file.name} and could not download it ({reason}); "
-                            f"without network, copy it from {weights.url} into {folder} "
-                            "($TORCH_HOME/hub/checkpoints)") from None
+            torch.hub.download_url_to_file(weights.url, str(file), digest and digest.group(1), progress=False)
     return weights_of(load_checkpoint(file))
 
 

@@ -136,6 +136,10 @@ class _LambdaLR(_Counted, LambdaLR):
         self.schedule, self.total_steps = schedule, total_steps
         super().__init__(optimizer, factor)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # The length stays the one built for: a resume with more epochs (constant, warmup, step) trains on.
+        super().load_state_dict({**state_dict, "total_steps": self.total_steps})
+
 
 class _OneCycleLR(_Counted, OneCycleLR):
     schedule = "onecycle"

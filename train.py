@@ -110,7 +110,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates = None, []
-    with (tensorboard, checkpoints.holding(out_dir), distributed.SIGNALS.installed(),
+    with (tensorboard, distributed.holding(out_dir), distributed.SIGNALS.installed(),
           distributed.SIGNALS.in_mode("defer") as stop, stops_in_one_line(run, save, out_dir, world_size)):
         for epoch in range(run.epoch, cfg.epochs):
             run.epoch = epoch  # (evaluate() puts the model back in train mode)
@@ -421,7 +421,7 @@ def main() -> None:
                                 "every checkpoint is as it was: run the command again, or continue with "
                                 "--resume", 128 + signum)
     finally:
-        checkpoints.release_all()
+        distributed.release_all()
         distributed.cleanup()
 
 

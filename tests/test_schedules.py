@@ -323,6 +323,21 @@ def test_a_schedule_stepped_past_its_end_holds_its_last_rate_and_warns_once(name
         "makes that one)"]
 
 
+@pytest.mark.parametrize("name", ["constant", "warmup", "step"])
+def test_a_longer_resume_keeps_the_length_it_was_built_for(name):
+    """--allow-more-epochs: a 6-step run's state loaded into a 9-step schedule runs 3 more without a warning."""
+    _, opt = make_optimizer()
+    short = build_scheduler(opt, name, 6, warmup_steps=2 if name == "warmup" else 0)
+    run(opt, short, 6)
+    _, opt = make_optimizer()
+    longer = build_scheduler(opt, name, 9, warmup_steps=2 if name == "warmup" else 0)
+    longer.load_state_dict(short.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(opt, longer, 3)
+    assert longer.total_steps == 9 and longer.last_epoch == 9
+
+
 def test_the_past_end_warning_points_at_the_caller():
     _, opt = make_optimizer()
     sched = build_scheduler(opt, "cosine", 1)
