@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import collections
 import copy
 import errno
 import io
@@ -23,6 +24,7 @@ import pytest
 import torch
 from PIL import Image
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -468,7 +470,7 @@ def test_late_loss_reads_give_the_same_result(monkeypatch, values):
     last step, read after the loop, stops it."""
     model, optimizer, loader = probe_setup()
     now = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=20)
-    monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
+    monkeypatch.setitem(lf._READ_LAG, "cpu", 1)
     late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=20)
     assert now.stop_reason != "completed"
     assert (late.lrs, late.stop_reason) == (now.lrs, now.stop_reason)
@@ -715,17 +717,87 @@ def test_progress_sees_each_step_index_lr_and_loss():
     assert result.losses == pytest.approx(values)
 
 
+class Ops(TorchDispatchMode):
+    """Counts the aten ops run while it is active, by name (as tests/test_host_work.py does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(run) -> collections.Counter:
+    """Marginal ops per step between run(10) and run(30): what is paid once cancels."""
+    counts = []
+    for steps in (10, 30):
+        with Ops() as ops:
+            run(steps)
+        counts.append(ops.counts)
+    return collections.Counter({op: (counts[1][op] - counts[0][op]) / 20 for op in counts[0] | counts[1]})
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_a_sweep_step_adds_three_ops_to_a_bare_step(accum_steps):
+    """A GPU launches a kernel per op, and a small model's step is launch-bound: beyond a bare step
+    (forward, loss, backward, optimizer step) a sweep's runs only the training loss detached, stacked
+    with the curve's value and copied to the host buffer it is read from; each further micro-batch
+    adds its detached loss to the window's. No division when there is nothing to divide."""
+    def sweep(steps: int) -> None:
+        model, batches = make_convnet(), make_batches(accum_steps * steps)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        result = lf.lr_find(model, optimizer, F.cross_entropy, batches, start_lr=1e-5, end_lr=1e-3,
+                            num_iter=steps, diverge=1e9, accum_steps=accum_steps)
+        assert len(result.lrs) == steps, result.stop_reason
+
+    def bare(steps: int) -> None:
+        model, batches = make_convnet(), iter(make_batches(accum_steps * steps))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        for _ in range(steps):
+            for _ in range(accum_steps):
+                inputs, targets = next(batches)
+                loss = F.cross_entropy(model(inputs), targets)
+                (loss / accum_steps if accum_steps > 1 else loss).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    ops, plain = ops_per_step(sweep), ops_per_step(bare)
+    added = {op: ops[op] - plain[op] for op in sorted(ops | plain) if ops[op] != plain[op]}
+    print(f"lr_find sweep, accum_steps {accum_steps}: {ops.total():.2f} ops per step, bare "
+          f"{plain.total():.2f}, added {added}")
+    assert plain.total() > 30  # forward, backward and the step are counted
+    assert ops.total() - plain.total() <= 3 + 2 * (accum_steps - 1), added
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_progress_sees_each_step_before_the_next():
+    """Off CUDA a loss is read as soon as its step ends: progress(i) runs before step i + 1's loss."""
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append("loss")
+        return F.mse_loss(out, y)
+
+    model, optimizer, loader = probe_setup()
+    lf.lr_find(model, optimizer, loss_fn, loader, num_iter=10, start_lr=1e-4, end_lr=1e-2, diverge=1e9,
+               progress=lambda i, lr, loss: seen.append(i))
+    assert seen == [x for i in range(10) for x in ("loss", i)]
+
+
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
 def test_late_reads_of_a_sweep_that_completes(monkeypatch):
     """With losses read one step late (CUDA), the last step is read after the loop."""
     values = [2.0 - 0.01 * i for i in range(12)]
-    monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
+    monkeypatch.setitem(lf._READ_LAG, "cpu", 1)
     model, optimizer, loader = probe_setup()
     late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=12, diverge=1e9)
     assert late.stop_reason == "completed" and late.losses == pytest.approx(values)
-    assert lf._read_lag(torch.device("cpu")) == 1  # the patch is what ran
+    assert lf._READ_LAG["cpu"] == 1  # the patch is what ran
     monkeypatch.undo()
-    assert lf._read_lag(torch.device("cpu")) == 0 and lf._read_lag(torch.device("cuda")) == 1
+    assert lf._READ_LAG == {"cuda": 1}  # and off CUDA none: see test_progress_sees_each_step_before_the_next
 
 
 def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
