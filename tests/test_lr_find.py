@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
@@ -790,14 +791,66 @@ def test_progress_sees_each_step_before_the_next():
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
 def test_late_reads_of_a_sweep_that_completes(monkeypatch):
     """With losses read one step late (CUDA), the last step is read after the loop."""
-    values = [2.0 - 0.01 * i for i in range(12)]
+    values, order = [2.0 - 0.01 * i for i in range(12)], []
     monkeypatch.setitem(lf._READ_LAG, "cpu", 1)
     model, optimizer, loader = probe_setup()
-    late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=12, diverge=1e9)
+    scripted = scripted_loss(values)
+
+    def loss_fn(out, y):
+        order.append("loss")
+        return scripted(out, y)
+
+    late = lf.lr_find(model, optimizer, loss_fn, loader, num_iter=12, diverge=1e9,
+                      progress=lambda i, lr, loss: order.append(i))
     assert late.stop_reason == "completed" and late.losses == pytest.approx(values)
-    assert lf._READ_LAG["cpu"] == 1  # the patch is what ran
+    assert order[:4] == ["loss", "loss", 0, "loss"] and order[-2:] == [10, 11]  # the patch is what ran
     monkeypatch.undo()
     assert lf._READ_LAG == {"cuda": 1}  # and off CUDA none: see test_progress_sees_each_step_before_the_next
+
+
+def test_a_snapshot_is_kept_on_the_cpu():
+    """A snapshot takes no accelerator memory: each tensor's copy is a CPU buffer of its shape and dtype."""
+    tensor = torch.empty(2, 3, dtype=torch.float16, device="meta")
+    copies = []
+    kept = lf._keep({"w": tensor, "steps": [tensor]}, copies)
+    assert [(buffer.device.type, buffer.shape, buffer.dtype) for buffer, _ in copies] == [
+        ("cpu", tensor.shape, torch.float16)] * 2
+    assert all(source.device.type == "meta" for _, source in copies) and kept.saved["w"].saved is copies[0][0]
+
+
+def test_copies_with_cuda_are_asynchronous_and_a_wait_syncs_each_device_once(monkeypatch):
+    """The CUDA contract, shown on CPU with stand-ins: one batched copy, non-blocking where CUDA takes
+    part; with wait, one synchronisation per CUDA device; without, none."""
+    calls = []
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda to, src, non_blocking: calls.append(("copy", len(to), len(src), non_blocking)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(("sync", device)))
+
+    def on(device: str):
+        return types.SimpleNamespace(is_cuda=device.startswith("cuda"), device=device)
+
+    pairs = [(on("cpu"), on("cuda:0")), (on("cpu"), on("cuda:1")), (on("cuda:0"), on("cpu"))]
+    lf._copy(pairs, wait=True)
+    assert calls[0] == ("copy", 3, 3, True) and sorted(calls[1:]) == [("sync", "cuda:0"), ("sync", "cuda:1")]
+    calls.clear()
+    lf._copy(pairs, wait=False)
+    assert calls == [("copy", 3, 3, True)]
+    calls.clear()
+    lf._copy([(on("cpu"), on("cpu"))], wait=True)
+    assert calls == [("copy", 1, 1, False)]
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_the_snapshot_waits_for_its_copies_and_the_restore_does_not(monkeypatch):
+    """Both ways the tensors go in one batched copy each: the snapshot's waited for (the host then holds
+    it), the restore's left to stream order."""
+    waits, copy_now = [], lf._copy
+    monkeypatch.setattr(lf, "_copy", lambda pairs, wait: (waits.append(wait), copy_now(pairs, wait)))
+    model, optimizer, loader = probe_setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lf.lr_find(model, optimizer, F.mse_loss, loader, num_iter=10, end_lr=1e-2, diverge=1e9)
+    assert waits == [True, False]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
