@@ -37,6 +37,7 @@ SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
+_READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
 
 
 def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -70,12 +71,10 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
-    autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype,
-                                 enabled=autocast_dtype is not None)
 
     def loss_of(batch: Any) -> torch.Tensor:
         batch = _to_device(batch, device)
-        with autocast():
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
 
     restore, moved = _snapshot(model, optimizer, scaler)
@@ -224,8 +223,7 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
     """Write lr_find.json (``extra``'s keys join its record), lr_find.png and the same picture to
     TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr means
     much); returns what it wrote. An OSError names the file."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
               for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
                                 ("train_losses", result.train_losses))}
@@ -488,20 +486,16 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-def _read_lag(device: torch.device) -> int:  # steps by which _sweep reads losses late
-    return 1 if device.type == "cuda" else 0
-
-
 def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth, diverge, accum_steps,
            scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], list[float], str]:
     """One optimizer step per row of ``plan`` (each group's lr) until the stop rule fires: (losses,
     smoothed, training losses, why)."""
-    # Step i's losses go to host[i]: on CUDA asynchronously, into pinned memory, and they are read a
-    # step later (_read_lag) once its event has passed, so the GPU is never drained to read a loss.
-    cuda, lag = device.type == "cuda", _read_lag(device)
-    host = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda)
+    # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
+    # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
+    cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
+    rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-    losses, smoothed, train_losses, recent = [], [], [], deque(maxlen=5)
+    losses, smoothed, train_losses, recent, stop = [], [], [], deque(maxlen=5), None
     avg, best, floor, high_run = 0.0, math.inf, math.inf, 0
 
     def record(i: int) -> str | None:
@@ -509,7 +503,7 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
         nonlocal avg, best, floor, high_run
         if cuda:
             events[i % 2].synchronize()
-        value, train = host[i].tolist()
+        value, train = rows[i].tolist()
         losses.append(value)
         train_losses.append(train)
         if progress is not None:
@@ -536,7 +530,6 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
         return sum(total) / len(total)
 
     model.train()
-    stop = None
     for i, rates in enumerate(plan):
         for group, lr in zip(optimizer.param_groups, rates, strict=True):
             if isinstance(group["lr"], torch.Tensor):
@@ -544,10 +537,11 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
             else:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0  # the training loss: the window's mean, as one big batch would give
+        total = None  # the training loss: the window's mean, as one big batch would give
         for _ in range(accum_steps):
-            loss = loss_of(next(batches)) / accum_steps
-            total = total + loss.detach().float()
+            loss = loss_of(next(batches))
+            loss = loss / accum_steps if accum_steps > 1 else loss  # no kernel (and its backward's) for 1
+            total = loss.detach().float() if total is None else total + loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.step(optimizer)
@@ -555,7 +549,7 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
         else:
             optimizer.step()
         curve = total if val_loader is None else val_loss()
-        host[i].copy_(torch.stack([curve.reshape(()), total.reshape(())]), non_blocking=cuda)
+        rows[i].copy_(torch.stack([curve, total]).flatten(), non_blocking=cuda)
         if cuda:
             events[i % 2].record(torch.cuda.current_stream(device))
         if i >= lag and (stop := record(i - lag)):
@@ -573,57 +567,67 @@ _Kept = namedtuple("_Kept", "live saved")  # a tensor, dict or list, and its con
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _keep(obj: Any) -> Any:
-    """What ``_put_back`` needs to restore ``obj``: tensors copied to the CPU (a snapshot takes no
-    accelerator memory), dicts and lists item by item, tuples rebuilt, other values deep-copied."""
+def _keep(obj: Any, copies: list) -> Any:
+    """What ``_put_back`` needs to restore ``obj``: tensors get a CPU buffer (pinned for CUDA's) that
+    ``_copy(copies)`` fills, dicts and lists item by item, tuples rebuilt, other values deep-copied."""
     if isinstance(obj, torch.Tensor):
-        return _Kept(obj, obj.detach().to("cpu", copy=True))
+        copies.append((torch.empty_like(obj, device="cpu", pin_memory=obj.is_cuda), obj.detach()))
+        return _Kept(obj, copies[-1][0])
     if isinstance(obj, dict):
-        return _Kept(obj, {k: _keep(v) for k, v in obj.items()})
+        return _Kept(obj, {k: _keep(v, copies) for k, v in obj.items()})
     if isinstance(obj, list):
-        return _Kept(obj, [_keep(v) for v in obj])
-    return tuple(_keep(v) for v in obj) if type(obj) is tuple else copy.deepcopy(obj)
+        return _Kept(obj, [_keep(v, copies) for v in obj])
+    return tuple(_keep(v, copies) for v in obj) if type(obj) is tuple else copy.deepcopy(obj)
 
 
 def _put_back(kept: Any) -> Any:
-    """Restore into the very tensors, dicts and lists that ``_keep`` saw, so whoever holds them sees
-    the old values: unlike ``Optimizer.load_state_dict``, this keeps each tensor's identity."""
+    """Restore the very tensors (their values: ``_copy``), dicts and lists that ``_keep`` saw, so whoever
+    holds them sees the old values: unlike ``Optimizer.load_state_dict``, this keeps their identity."""
     if type(kept) is tuple:
         return tuple(_put_back(v) for v in kept)
     if not isinstance(kept, _Kept):
         return kept
     live, saved = kept
-    if isinstance(live, torch.Tensor):
-        with torch.no_grad():
-            return live.copy_(saved)
     if isinstance(live, dict):
         live.clear()
         live.update({k: _put_back(v) for k, v in saved.items()})
-    else:
+    elif isinstance(live, list):
         live[:] = [_put_back(v) for v in saved]
     return live
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool) -> None:
+    """(to, from) pairs in one batched copy, asynchronous where CUDA takes part (host side pinned), then
+    with ``wait`` one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
+    cuda = {t.device for pair in pairs for t in pair if t.is_cuda}
+    with torch.no_grad():
+        torch._foreach_copy_(*map(list, zip(*pairs, strict=True)), non_blocking=bool(cuda))
+    for device in cuda if wait else ():
+        torch.cuda.synchronize(device)
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler | None) -> tuple[Callable[[], None], Callable[[], bool]]:
     """Record all a sweep changes; return what puts it back, and what tells if a trainable weight moved."""
-    tensors = _keep({(module, name): t for module in model.modules() for name, t in
-                     [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]})
-    weights = [k for k in tensors.saved.values() if k.live.requires_grad]
-    state = _keep(optimizer.state)
-    groups = _keep([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    # All of the scaler too: its scale is created on first use, and must go back to "not created yet".
+    copies = []  # (CPU buffer, tensor): each way, one batched copy
+    kept = _keep(({(module, name): t for module in model.modules() for name, t in
+                   [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
+                  optimizer.state, groups, vars(scaler) if scaler is not None else {}), copies)
+    weights = [k for k in kept[0].saved.values() if k.live.requires_grad]
     # Plain attributes of the optimizer and any it wraps, such as an LR scheduler's step flag.
     flags = [(o, {k: v for k, v in vars(o).items() if isinstance(v, _PLAIN)}) for o in _chain(optimizer)]
-    # All of the scaler: its scale is created on first use, and must go back to "not created yet".
-    scaler_vars = _keep(vars(scaler) if scaler is not None else {})
     modes, rng = [(m, m.training) for m in model.modules()], _capture_rng_state()
+    _copy(copies, wait=True)
 
     def restore() -> None:
-        for (module, name), tensor in _put_back(tensors).items():
+        tensors, _, groups, _ = _put_back(kept)
+        _copy([(tensor, buffer) for buffer, tensor in copies], wait=False)
+        for (module, name), tensor in tensors.items():
             if getattr(module, name, None) is not tensor:  # the sweep re-bound it
                 setattr(module, name, tensor)
-        _put_back(state)
-        for group, saved in zip(optimizer.param_groups, _put_back(groups), strict=True):
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
             params = group["params"]
             group.clear()
             group.update(params=params, **saved)
@@ -631,17 +635,13 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             for k in [k for k, v in vars(o).items() if isinstance(v, _PLAIN) and k not in saved]:
                 delattr(o, k)
             vars(o).update(saved)
-        _put_back(scaler_vars)
         _restore_rng_state(rng)
         for m, training in modes:
             m.training = training
         for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
             p.grad = None
 
-    def moved() -> bool:
-        return any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
-
-    return restore, moved
+    return restore, lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
 
 
 def _keep_loader(loader: Any) -> Callable[[], None]:

@@ -1,11 +1,12 @@
 """Speed of the template: `python -m bench.speed [--device cpu|cuda] [--json FILE] [--quick] [--repeats N]`.
 
-Four questions, one run: does train.py's loop cost anything over a bare loop of the same model
+Five questions, one run: does train.py's loop cost anything over a bare loop of the same model
 and data (loop_vs_bare), how much faster is the device-resident loader than a per-sample
 torchvision DataLoader (loader_speedup), what does lr_find add per iteration (lr_find_overhead),
-and how many images per second do the default and CIFAR-10 setups train at (the CIFAR-10 preset
-also under torch.compile, by default on CUDA only). Ratios come from interleaved repeats (so
-drift hits both sides alike) and are reported as median and min/max.
+the same two in the regime where host work shows (host_loop_vs_bare, host_lr_find_overhead: see
+measure_host_bound), and how many images per second do the default and CIFAR-10 setups train at
+(the CIFAR-10 preset also under torch.compile, by default on CUDA only). Ratios come from
+interleaved repeats (so drift hits both sides alike) and are reported as median and min/max.
 
 The GPU self-check, a few minutes on one GPU:
     python -m bench.speed --device cuda && python -m pytest tests/test_cuda.py
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from itertools import pairwise
 from pathlib import Path
@@ -43,14 +45,15 @@ from data import Batches, ImageSteps, build_loaders
 from models import build_model, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
-TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05"}
+TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05",
+           "host_loop_vs_bare": ">= 0.97", "host_lr_find_overhead": "<= 1.05"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if visible)")
     parser.add_argument("--json", default="runs/bench.json", help="where to write the results")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, for tests (~30 s on CPU)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for tests (~15 s on CPU)")
     parser.add_argument("--repeats", type=int, default=0, help="interleaved repeats (default 5, quick 2)")
     parser.add_argument("--batch-size", type=int, default=0,
                         help="batch for the cifar10 model (default 512; 32 with --quick on CPU)")
@@ -184,7 +187,7 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
     """
     bare, trained, find_seconds, find_iters = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        warm = loop_config(device_name, 2, tmp)  # first use in the process: imports, kernel caches
+        warm = loop_config(device_name, min(2, epochs - 1) or 1, tmp)  # first use: imports, kernel caches
         bare_rate(warm, device)
         train_rate(warm)
         cfg = loop_config(device_name, epochs, tmp)
@@ -202,7 +205,97 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
             "lr_find_overhead": spread([s * b / batch for s, b in zip(find_seconds, around, strict=True)]),
             "bare_images_per_second": spread(bare), "train_images_per_second": spread(trained),
             "lr_find_seconds_per_iter": spread(find_seconds), "lr_find_iters": min(find_iters),
+            "bare_steps_per_second": spread([v / batch for v in bare]),
+            "train_steps_per_second": spread([v / batch for v in trained]),
             "batch_size": batch, "epochs": epochs}
+
+
+def host_config(device: str, steps: int, out_dir: str) -> Config:
+    """The host-bound emulation: resnet_small at width 1 on 8 px synthetic images, batch 8, one epoch
+    of `steps` steps and one validation batch. It has resnet_small's layers and parameter tensors
+    (29 parameters and 27 buffers, whatever the width), so every op and every Python line of a step
+    is there, at almost no compute: the regime of a small model on a GPU, where launches and host
+    work bound the step (the first H200 run's bare loop: 5.5 ms a step, launch-bound)."""
+    return parse_config(["--device", device, "--dataset", "synthetic", "--image-size", "8", "--channels", "1",
+                         "--width", "1", "--batch-size", "8", "--synthetic-size", str(8 * steps),
+                         "--synthetic-val-size", "8", "--epochs", "1", "--out-dir", out_dir])
+
+
+def cpu_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """Process CPU time (all threads: TensorBoard's writer included) of run(), its device work done."""
+    sync(device)
+    start = time.process_time()
+    run()
+    sync(device)
+    return time.process_time() - start
+
+
+def host_bare(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """CPU seconds of setup and one epoch of the bare loop on the emulation."""
+    def run() -> None:
+        cfg = host_config(device_name, steps, out_dir)
+        train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+        bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(0), cfg)
+
+    return cpu_seconds(run, device)
+
+
+def host_train(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """CPU seconds of a whole train.train run on the emulation: setup, the loop, evaluation, saves."""
+    import train
+
+    def run() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            summary = train.train(host_config(device_name, steps, out_dir))
+        assert summary["steps"] == steps, summary["steps"]
+
+    return cpu_seconds(run, device)
+
+
+def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """CPU seconds of one lr_find call of `steps` steps (snapshot and restore included, setup not)."""
+    from lr_find import lr_find
+
+    cfg = host_config(device_name, steps, out_dir)
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
+    loss = functools.partial(task.loss, cfg=cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a suggestion or none: only the time counts here
+        return cpu_seconds(lambda: lr_find(
+            model, optimizer, loss, train_batches, start_lr=1e-4, end_lr=0.1, num_iter=steps, diverge=1e9,
+            autocast_dtype=amp_dtype, scaler=scaler, device=device), device)
+
+
+def measure_host_bound(device_name: str, device: torch.device, steps: int, repeats: int,
+                       find_iters: int) -> dict:
+    """train.py's loop and an lr_find step against the bare loop where host work shows (host_config).
+
+    The loops' figures are process CPU time per optimizer step, marginal between runs of `steps`
+    and 3 x `steps` steps, so setup, evaluation and saving cancel: (T(3N) - T(N)) / 2N. lr_find's
+    is a whole sweep of `find_iters` steps (lr_find.py's default 50), snapshot and restore
+    included, over its steps. One repeat runs them all, in reverse order every other repeat, so
+    drift within a repeat hits all alike.
+    """
+    lengths = (steps, 3 * steps)
+    bare, trained, found = [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
+        for run in (host_bare, host_train, host_lr_find):  # first use in the process: imports, caches
+            run(device_name, device, 10, str(Path(tmp) / f"warm-{run.__name__}"))
+        for r in range(repeats):
+            order = [(host_bare, steps), (host_train, steps), (host_lr_find, find_iters),
+                     (host_bare, 3 * steps), (host_train, 3 * steps)]
+            seconds = {(run, n): run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}-{n}"))
+                       for run, n in (order if r % 2 == 0 else order[::-1])}
+            bare.append((seconds[host_bare, 3 * steps] - seconds[host_bare, steps]) / (2 * steps))
+            trained.append((seconds[host_train, 3 * steps] - seconds[host_train, steps]) / (2 * steps))
+            found.append(seconds[host_lr_find, find_iters] / find_iters)
+    us = 1e6
+    return {"host_loop_vs_bare": spread([b / t for b, t in zip(bare, trained, strict=True)]),
+            "host_lr_find_overhead": spread([f / b for f, b in zip(found, bare, strict=True)]),
+            "bare_us_per_step": spread([v * us for v in bare]),
+            "train_us_per_step": spread([v * us for v in trained]),
+            "lr_find_us_per_step": spread([v * us for v in found]),
+            "steps": list(lengths), "find_iters": find_iters}
 
 
 class PerSampleSet(torch.utils.data.Dataset):
@@ -289,7 +382,9 @@ def table(result: dict) -> str:
         cells = "".join(f"{stats[k]:>12{fmt}}" for k in ("median", "min", "max"))
         return f"{name:<34}{cells}  {target}"
 
-    loop, loader, cifar = result["details"]["loop"], result["details"]["loader"], result["details"]["cifar10"]
+    details = result["details"]
+    loop, host, loader, cifar = details["loop"], details["host_bound"], details["loader"], details["cifar10"]
+    graphs = result["cuda_graphs_speedup"]
     lines = [
         f"bench on {result['device']}: torch {result['torch_version']}, {result['threads']} threads "
         f"({result['ratio_threads']} for the ratios), {result['repeats']} interleaved repeats, load average "
@@ -302,6 +397,16 @@ def table(result: dict) -> str:
         row(f"  train.py img/s ({result['ratio_threads']} thr)", loop["train_images_per_second"], ",.0f"),
         row(f"  lr_find ms/iter ({loop['lr_find_iters']} iters)",
             {k: v * 1e3 for k, v in loop["lr_find_seconds_per_iter"].items() if k != "runs"}, ".2f"),
+        row("  bare loop steps/s", loop["bare_steps_per_second"], ",.1f"),
+        row("  train.py steps/s", loop["train_steps_per_second"], ",.1f"),
+        *([f"{'  train.py --cuda-graphs speed-up':<34}{'-' if graphs is None else f'{graphs:.2f}x':>12}"
+           "  over the bare loop's steps/s (-: no --cuda-graphs yet)"] if "cuda" in result["device"] else []),
+        row("host_loop_vs_bare", host["host_loop_vs_bare"], ".3f", TARGETS["host_loop_vs_bare"]),
+        row("host_lr_find_overhead", host["host_lr_find_overhead"], ".3f", TARGETS["host_lr_find_overhead"]),
+        row("  bare loop CPU us/step", host["bare_us_per_step"], ",.0f"),
+        row("  train.py CPU us/step", host["train_us_per_step"], ",.0f"),
+        row(f"  lr_find CPU us/step ({host['find_iters']} iters)", host["lr_find_us_per_step"], ",.0f",
+            "the whole call over its steps"),
         row("  device-resident loader img/s", loader["device_images_per_second"], ",.0f"),
         row("  DataLoader (2 workers) img/s", loader["dataloader_images_per_second"], ",.0f"),
         row("images/s resnet_small digits", result["details"]["default"], ",.0f",
@@ -315,6 +420,8 @@ def table(result: dict) -> str:
         f"loop: digits, {loop['epochs']} epochs, epochs 2+ timed as train.py does; loader: "
         f"{loader['images']:,} random uint8 3x32x32, batch {loader['batch_size']}, both timed from the "
         "first batch (worker start-up excluded)",
+        f"host: resnet_small width 1, 8 px, batch 8, process CPU time per step, marginal between "
+        f"{host['steps'][0]} and {host['steps'][1]} steps",
     ]
     return "\n".join(lines)
 
@@ -345,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch_threads(ratio_threads):
         loop = phase("loop_and_lr_find", lambda: measure_loop(
-            args.device, device, epochs=3 if quick else 8, repeats=args.repeats,
+            args.device, device, epochs=2 if quick else 8, repeats=args.repeats,
             lr_find_iters=20 if quick else 50))
+        host = phase("host_bound", lambda: measure_host_bound(
+            args.device, device, steps=20 if quick else 100, repeats=args.repeats, find_iters=50))
     default = phase("default_model", lambda: measure_default_model(
         args.device, device, epochs=3 if quick else 4, repeats=1 if quick else 3))
     loader = phase("loader", lambda: measure_loader(
@@ -367,18 +476,28 @@ def main(argv: list[str] | None = None) -> int:
         "loop_vs_bare": loop["loop_vs_bare"]["median"],
         "loader_speedup": loader["loader_speedup"]["median"],
         "lr_find_overhead": loop["lr_find_overhead"]["median"],
+        "host_loop_vs_bare": host["host_loop_vs_bare"]["median"],
+        "host_lr_find_overhead": host["host_lr_find_overhead"]["median"],
+        # the default setup's optimizer steps per second: bare loop and train.py (images/s / batch)
+        "steps_per_second": {"bare": loop["bare_steps_per_second"]["median"],
+                             "train": loop["train_steps_per_second"]["median"]},
+        # the slot for train.py --cuda-graphs' steps/s over the eager bare loop's, on CUDA: null
+        # until the loop has the flag
+        "cuda_graphs_speedup": None,
         "images_per_second": images_per_second,
         "peak_memory_mb": memory, "peak_memory_kind": memory_kind,
         "loop_vs_bare_runs": loop["loop_vs_bare"]["runs"],
         "loader_speedup_runs": loader["loader_speedup"]["runs"],
         "lr_find_overhead_runs": loop["lr_find_overhead"]["runs"],
+        "host_loop_vs_bare_runs": host["host_loop_vs_bare"]["runs"],
+        "host_lr_find_overhead_runs": host["host_lr_find_overhead"]["runs"],
         "torch_version": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
         "ratio_threads": ratio_threads,
         "repeats": args.repeats, "quick": quick,
         # other processes on the machine show here; they, not the code, explain a wide min/max
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-        "details": {"loop": loop, "loader": loader, "default": default,
+        "details": {"loop": loop, "host_bound": host, "loader": loader, "default": default,
                     "cifar10": cifar_details},
     }
     result["seconds"] = time.perf_counter() - started

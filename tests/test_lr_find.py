@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import collections
 import copy
 import errno
 import io
@@ -15,6 +16,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import pytest
 import torch
 from PIL import Image
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -468,7 +471,7 @@ def test_late_loss_reads_give_the_same_result(monkeypatch, values):
     last step, read after the loop, stops it."""
     model, optimizer, loader = probe_setup()
     now = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=20)
-    monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
+    monkeypatch.setitem(lf._READ_LAG, "cpu", 1)
     late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=20)
     assert now.stop_reason != "completed"
     assert (late.lrs, late.stop_reason) == (now.lrs, now.stop_reason)
@@ -715,17 +718,139 @@ def test_progress_sees_each_step_index_lr_and_loss():
     assert result.losses == pytest.approx(values)
 
 
+class Ops(TorchDispatchMode):
+    """Counts the aten ops run while it is active, by name (as tests/test_host_work.py does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(run) -> collections.Counter:
+    """Marginal ops per step between run(10) and run(30): what is paid once cancels."""
+    counts = []
+    for steps in (10, 30):
+        with Ops() as ops:
+            run(steps)
+        counts.append(ops.counts)
+    return collections.Counter({op: (counts[1][op] - counts[0][op]) / 20 for op in counts[0] | counts[1]})
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_a_sweep_step_adds_three_ops_to_a_bare_step(accum_steps):
+    """A GPU launches a kernel per op, and a small model's step is launch-bound: beyond a bare step
+    (forward, loss, backward, optimizer step) a sweep's runs only the training loss detached, stacked
+    with the curve's value and copied to the host buffer it is read from; each further micro-batch
+    adds its detached loss to the window's. No division when there is nothing to divide."""
+    def sweep(steps: int) -> None:
+        model, batches = make_convnet(), make_batches(accum_steps * steps)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        result = lf.lr_find(model, optimizer, F.cross_entropy, batches, start_lr=1e-5, end_lr=1e-3,
+                            num_iter=steps, diverge=1e9, accum_steps=accum_steps)
+        assert len(result.lrs) == steps, result.stop_reason
+
+    def bare(steps: int) -> None:
+        model, batches = make_convnet(), iter(make_batches(accum_steps * steps))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        for _ in range(steps):
+            for _ in range(accum_steps):
+                inputs, targets = next(batches)
+                loss = F.cross_entropy(model(inputs), targets)
+                (loss / accum_steps if accum_steps > 1 else loss).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    ops, plain = ops_per_step(sweep), ops_per_step(bare)
+    added = {op: ops[op] - plain[op] for op in sorted(ops | plain) if ops[op] != plain[op]}
+    print(f"lr_find sweep, accum_steps {accum_steps}: {ops.total():.2f} ops per step, bare "
+          f"{plain.total():.2f}, added {added}")
+    assert plain.total() > 30  # forward, backward and the step are counted
+    assert ops.total() - plain.total() <= 3 + 2 * (accum_steps - 1), added
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_progress_sees_each_step_before_the_next():
+    """Off CUDA a loss is read as soon as its step ends: progress(i) runs before step i + 1's loss."""
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append("loss")
+        return F.mse_loss(out, y)
+
+    model, optimizer, loader = probe_setup()
+    lf.lr_find(model, optimizer, loss_fn, loader, num_iter=10, start_lr=1e-4, end_lr=1e-2, diverge=1e9,
+               progress=lambda i, lr, loss: seen.append(i))
+    assert seen == [x for i in range(10) for x in ("loss", i)]
+
+
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
 def test_late_reads_of_a_sweep_that_completes(monkeypatch):
     """With losses read one step late (CUDA), the last step is read after the loop."""
-    values = [2.0 - 0.01 * i for i in range(12)]
-    monkeypatch.setattr(lf, "_read_lag", lambda device: 1)
+    values, order = [2.0 - 0.01 * i for i in range(12)], []
+    monkeypatch.setitem(lf._READ_LAG, "cpu", 1)
     model, optimizer, loader = probe_setup()
-    late = lf.lr_find(model, optimizer, scripted_loss(values), loader, num_iter=12, diverge=1e9)
+    scripted = scripted_loss(values)
+
+    def loss_fn(out, y):
+        order.append("loss")
+        return scripted(out, y)
+
+    late = lf.lr_find(model, optimizer, loss_fn, loader, num_iter=12, diverge=1e9,
+                      progress=lambda i, lr, loss: order.append(i))
     assert late.stop_reason == "completed" and late.losses == pytest.approx(values)
-    assert lf._read_lag(torch.device("cpu")) == 1  # the patch is what ran
+    assert order[:4] == ["loss", "loss", 0, "loss"] and order[-2:] == [10, 11]  # the patch is what ran
     monkeypatch.undo()
-    assert lf._read_lag(torch.device("cpu")) == 0 and lf._read_lag(torch.device("cuda")) == 1
+    assert lf._READ_LAG == {"cuda": 1}  # and off CUDA none: see test_progress_sees_each_step_before_the_next
+
+
+def test_a_snapshot_is_kept_on_the_cpu():
+    """A snapshot takes no accelerator memory: each tensor's copy is a CPU buffer of its shape and dtype."""
+    tensor = torch.empty(2, 3, dtype=torch.float16, device="meta")
+    copies = []
+    kept = lf._keep({"w": tensor, "steps": [tensor]}, copies)
+    assert [(buffer.device.type, buffer.shape, buffer.dtype) for buffer, _ in copies] == [
+        ("cpu", tensor.shape, torch.float16)] * 2
+    assert all(source.device.type == "meta" for _, source in copies) and kept.saved["w"].saved is copies[0][0]
+
+
+def test_copies_with_cuda_are_asynchronous_and_a_wait_syncs_each_device_once(monkeypatch):
+    """The CUDA contract, shown on CPU with stand-ins: one batched copy, non-blocking where CUDA takes
+    part; with wait, one synchronisation per CUDA device; without, none."""
+    calls = []
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda to, src, non_blocking: calls.append(("copy", len(to), len(src), non_blocking)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(("sync", device)))
+
+    def on(device: str):
+        return types.SimpleNamespace(is_cuda=device.startswith("cuda"), device=device)
+
+    pairs = [(on("cpu"), on("cuda:0")), (on("cpu"), on("cuda:1")), (on("cuda:0"), on("cpu"))]
+    lf._copy(pairs, wait=True)
+    assert calls[0] == ("copy", 3, 3, True) and sorted(calls[1:]) == [("sync", "cuda:0"), ("sync", "cuda:1")]
+    calls.clear()
+    lf._copy(pairs, wait=False)
+    assert calls == [("copy", 3, 3, True)]
+    calls.clear()
+    lf._copy([(on("cpu"), on("cpu"))], wait=True)
+    assert calls == [("copy", 1, 1, False)]
+
+
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_the_snapshot_waits_for_its_copies_and_the_restore_does_not(monkeypatch):
+    """Both ways the tensors go in one batched copy each: the snapshot's waited for (the host then holds
+    it), the restore's left to stream order."""
+    waits, copy_now = [], lf._copy
+    monkeypatch.setattr(lf, "_copy", lambda pairs, wait: (waits.append(wait), copy_now(pairs, wait)))
+    model, optimizer, loader = probe_setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lf.lr_find(model, optimizer, F.mse_loss, loader, num_iter=10, end_lr=1e-2, diverge=1e9)
+    assert waits == [True, False]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_optimizer_at_lr_zero_sweeps_every_group_at_the_sweep_lr():
