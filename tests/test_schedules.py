@@ -325,7 +325,7 @@ def test_a_schedule_stepped_past_its_end_holds_its_last_rate_and_warns_once(name
 
 @pytest.mark.parametrize("name", ["constant", "warmup", "step"])
 def test_a_longer_resume_keeps_the_length_it_was_built_for(name):
-    """--allow-more-epochs: a 6-step run's state loaded into a 9-step schedule runs 3 more without a warning."""
+    """--allow-more-epochs: a 6-step state loaded into a 9-step schedule runs 3 more, with no warning."""
     _, opt = make_optimizer()
     short = build_scheduler(opt, name, 6, warmup_steps=2 if name == "warmup" else 0)
     run(opt, short, 6)
