@@ -9,6 +9,7 @@ optimizers, each with its kind, which lr_find's rules read.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import os
@@ -358,5 +359,33 @@ def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
     return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
+    """torch.autocast, or nothing with AMP off: a disabled autocast still costs host time every step.
+    cache False: CUDA graph capture, whose replays cannot reuse autocast's cached weight casts."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
+
+
+def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None,
+             world_size: int, batches) -> nn.Module:
+    """What train.py's loop calls: the model, torch.compile'd under --compile, or under --cuda-graphs with
+    its training forward and backward captured once as CUDA graphs for the batches' static shape (the
+    optimizer and schedule stay eager; in eval mode it runs eagerly, so evaluation does)."""
+    if not cfg.cuda_graphs:
+        return torch.compile(model) if cfg.compile else model
+    why = ("--compile captures graphs of its own (mode='reduce-overhead'); pass one of the two" if cfg.compile
+           else "fp16's GradScaler is not supported with graphs yet; use --amp bf16 or --amp off"
+           if amp_dtype == torch.float16 else "DDP's gradient all-reduce is not captured; train on one GPU"
+           if world_size > 1 else f"they need a CUDA device, and this run is on {device.type}"
+           if device.type != "cuda" else None)
+    if why:
+        raise UserError(f"--cuda-graphs: {why}")
+    sample = next(iter(batches))[0].clone()  # the training batches' shape, dtype and memory format
+    buffers = [b.clone() for b in model.buffers()]  # capture's warm-up passes move BatchNorm's statistics
+    with autocast(device, amp_dtype, cache=False):
+        graphed = torch.cuda.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    with torch.no_grad():
+        for buffer, saved in zip(model.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    return graphed

@@ -32,7 +32,7 @@ import lr_find
 import task as default_task
 from configs import Config, UserError, parse_given, resolve
 from data import UnreadableImage, build_loaders
-from models import amp_setup, autocast, build_model, build_optimizer, load_weights, weights_of
+from models import amp_setup, autocast, build_model, build_optimizer, load_weights, runnable, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 
@@ -92,10 +92,10 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # Resume: every state as it was saved, and where the run stood.
     run = resume(ckpt, path, cfg, data, model, optimizer, scheduler, scaler, say) if ckpt else Run()
 
-    # The model three ways: `model`, the plain module, is what is saved; `compiled` is what runs
-    # (torch.compile'd under --compile, else model itself), in evaluation too; `ddp_model` trains
-    # (under torchrun wrapped in DDP, which all-reduces the gradients; else compiled itself).
-    compiled = torch.compile(model) if cfg.compile else model
+    # The model three ways: `model`, the plain module, is what is saved; `compiled` runs, in evaluation too
+    # (torch.compile'd, or under --cuda-graphs captured after the restore, else model itself); `ddp_model`
+    # trains (under torchrun in DDP, which all-reduces the gradients; else compiled itself).
+    compiled = runnable(model, cfg, device, amp_dtype, world_size, train_batches)
     ddp_model = compiled if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
         compiled, device_ids=[device.index] if device.type == "cuda" else None)
 

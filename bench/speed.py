@@ -185,7 +185,7 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
     Each train.py and lr_find run is compared with the mean of the bare runs just before and just
     after it, which cancels drift that is linear over the repeat.
     """
-    bare, trained, find_seconds, find_iters = [], [], [], []
+    bare, trained, graphed, find_seconds, find_iters = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         warm = loop_config(device_name, min(2, epochs - 1) or 1, tmp)  # first use: imports, kernel caches
         bare_rate(warm, device)
@@ -195,6 +195,10 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
         for r in range(repeats):
             cfg.out_dir = str(Path(tmp) / f"run{r}")
             trained.append(train_rate(cfg))
+            if device.type == "cuda":  # train.py --cuda-graphs, the same setup
+                cfg.out_dir, cfg.cuda_graphs = str(Path(tmp) / f"graphed{r}"), True
+                graphed.append(train_rate(cfg))
+                cfg.cuda_graphs = False
             seconds, iters = lr_find_seconds(cfg, device, lr_find_iters)
             find_seconds.append(seconds / iters)
             find_iters.append(iters)
@@ -207,7 +211,9 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
             "lr_find_seconds_per_iter": spread(find_seconds), "lr_find_iters": min(find_iters),
             "bare_steps_per_second": spread([v / batch for v in bare]),
             "train_steps_per_second": spread([v / batch for v in trained]),
-            "batch_size": batch, "epochs": epochs}
+            "batch_size": batch, "epochs": epochs,
+            **({"cuda_graphs_speedup": spread([g / b for g, b in zip(graphed, around, strict=True)]),
+                "graphed_steps_per_second": spread([v / batch for v in graphed])} if graphed else {})}
 
 
 def host_config(device: str, steps: int, out_dir: str) -> Config:
@@ -399,8 +405,9 @@ def table(result: dict) -> str:
             {k: v * 1e3 for k, v in loop["lr_find_seconds_per_iter"].items() if k != "runs"}, ".2f"),
         row("  bare loop steps/s", loop["bare_steps_per_second"], ",.1f"),
         row("  train.py steps/s", loop["train_steps_per_second"], ",.1f"),
-        *([f"{'  train.py --cuda-graphs speed-up':<34}{'-' if graphs is None else f'{graphs:.2f}x':>12}"
-           "  over the bare loop's steps/s (-: no --cuda-graphs yet)"] if "cuda" in result["device"] else []),
+        *([row("train.py --cuda-graphs vs bare", loop["cuda_graphs_speedup"], ".3f", ">= 1.5"),
+           row("  train.py --cuda-graphs steps/s", loop["graphed_steps_per_second"], ",.1f")]
+          if graphs else []),
         row("host_loop_vs_bare", host["host_loop_vs_bare"], ".3f", TARGETS["host_loop_vs_bare"]),
         row("host_lr_find_overhead", host["host_lr_find_overhead"], ".3f", TARGETS["host_lr_find_overhead"]),
         row("  bare loop CPU us/step", host["bare_us_per_step"], ",.0f"),
@@ -480,10 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         "host_lr_find_overhead": host["host_lr_find_overhead"]["median"],
         # the default setup's optimizer steps per second: bare loop and train.py (images/s / batch)
         "steps_per_second": {"bare": loop["bare_steps_per_second"]["median"],
-                             "train": loop["train_steps_per_second"]["median"]},
-        # the slot for train.py --cuda-graphs' steps/s over the eager bare loop's, on CUDA: null
-        # until the loop has the flag
-        "cuda_graphs_speedup": None,
+                             "train": loop["train_steps_per_second"]["median"],
+                             **({"graphed": loop["graphed_steps_per_second"]["median"]}
+                                if "graphed_steps_per_second" in loop else {})},
+        # train.py --cuda-graphs' steps/s over the eager bare loop's, on CUDA (null elsewhere)
+        "cuda_graphs_speedup": loop.get("cuda_graphs_speedup", {}).get("median"),
         "images_per_second": images_per_second,
         "peak_memory_mb": memory, "peak_memory_kind": memory_kind,
         "loop_vs_bare_runs": loop["loop_vs_bare"]["runs"],

@@ -138,6 +138,9 @@ class Config:
                        "GradScaler, off on CPU and MPS", choices=AMP_MODES)
     channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)", keeps_lr=True)
     compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
+    cuda_graphs: bool = setting(False, "CUDA: capture the training forward and backward as CUDA graphs "
+                                "(small models, where launches bound the step); bf16 or fp32, one GPU",
+                                may_change=True, keeps_lr=True)
     seed: int = setting(0, "for weights, data order and augmentation", limits="in [0, 2**32)", keeps_lr=True)
     out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json",
                            may_change=True, keeps_lr=True)

@@ -193,6 +193,59 @@ def test_lr_find_restores_on_cuda(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
+# ---------------------------------------------------------------- --cuda-graphs
+
+GRAPHED = [*SMALL, "--amp", "bf16", "--dropout", "0", "--save-every", "4"]
+
+
+def final_weights(out_dir):
+    return checkpoints.load_checkpoint(out_dir / "last.pt")["model"]
+
+
+def close(a: dict, b: dict, tol: float = 2e-2) -> bool:
+    """Within bf16 tolerance: each tensor's largest difference against its own scale."""
+    return all((a[k].float() - b[k].float()).abs().max() <= tol * (1 + b[k].float().abs().max()) for k in b)
+
+
+def test_cuda_graphs_match_eager(tmp_path):
+    """The same 16 steps with and without graphs: weights within bf16 tolerance, the same loss curve, and
+    evaluation (eager in both) agreeing; BatchNorm's statistics are not moved by the capture."""
+    from conftest import read_scalars
+
+    runs = {}
+    for graphs in (False, True):
+        out = tmp_path / f"graphs-{graphs}"
+        flags = [*GRAPHED, *["--cuda-graphs"] * graphs, "--out-dir", str(out)]
+        runs[graphs] = train.train(parse_config(flags))
+    eager, graphed = (final_weights(tmp_path / f"graphs-{g}") for g in (False, True))
+    assert close(graphed, eager)
+    curves = [read_scalars(tmp_path / f"graphs-{g}")["train/loss"] for g in (False, True)]
+    assert [s for s, _ in curves[0]] == [s for s, _ in curves[1]]
+    assert all(abs(a - b) <= 0.05 * abs(a) + 1e-3 for (_, a), (_, b) in zip(*curves, strict=True))
+    assert abs(runs[True]["val_acc"] - runs[False]["val_acc"]) <= 0.05
+
+
+def test_cuda_graphs_capture_after_the_restore(tmp_path, monkeypatch):
+    """A graphed run stopped at step 6 and resumed (captured again, after the restore) ends where an
+    uninterrupted graphed run ends."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(straight)]))
+    real_step, calls = train.optimizer_step, [0]
+
+    def crash_at_step_7(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise RuntimeError("the machine went away")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "optimizer_step", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="went away"):
+        train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(broken)]))
+    monkeypatch.setattr(train, "optimizer_step", real_step)
+    train.train(parse_config(["--resume", "--out-dir", str(broken)]))
+    assert close(final_weights(broken), final_weights(straight), tol=1e-3)
+
+
 def test_bench_reports_cifar10_images_per_second_with_and_without_compile(tmp_path, script):
     out = tmp_path / "bench.json"
     result = script("bench.speed", "--quick", "--device", "cuda", "--json", str(out), timeout=600)

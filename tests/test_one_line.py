@@ -103,3 +103,25 @@ def test_under_torchrun_the_error_is_the_root_cause(tmp_path):
     assert result.stderr.startswith("error: epochs must be a number > 0, got 0\n")
     assert result.stderr.count("error: epochs must be") == 2  # the line, then torchrun's root cause
     assert "traceback : error: epochs must be a number > 0, got 0" in result.stderr
+
+
+@pytest.mark.parametrize("flags, shown", [
+    ([], "--cuda-graphs: they need a CUDA device, and this run is on cpu"),
+    (["--compile"], "--cuda-graphs: --compile captures graphs of its own"),
+    (["--amp", "fp16"], "--cuda-graphs: fp16's GradScaler is not supported with graphs yet"),
+])
+def test_cuda_graphs_are_refused_where_they_cannot_run(flags, shown, tmp_path, monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--cuda-graphs", *flags, "--out-dir", tmp_path)
+    assert shown in one_line(code, out, err)
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def test_cuda_graphs_are_refused_under_ddp():
+    import torch
+
+    import models
+    from configs import UserError
+
+    cfg = parse_config([*TINY, "--cuda-graphs"])
+    with pytest.raises(UserError, match="DDP's gradient all-reduce is not captured; train on one GPU"):
+        models.runnable(torch.nn.Linear(2, 2), cfg, torch.device("cuda"), torch.bfloat16, 2, [])
