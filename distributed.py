@@ -247,6 +247,17 @@ def tell_torchrun(message: str) -> None:
                                                                      "timestamp": stamp}}}, f)
 
 
+def failure_line(err: BaseException, kept: str) -> tuple[str, int]:
+    """The one line and exit code for a signal (`kept`: what is as it was) or a known failure of torch's;
+    any other error raises again."""
+    if isinstance(err, KeyboardInterrupt):
+        signum = getattr(err, "signum", signal.SIGINT)
+        return f"interrupted by {signal.Signals(signum).name}; {kept}: run the command again", 128 + signum
+    if (line := known_failure(err)) is None:
+        raise err
+    return line, 1
+
+
 def known_failure(err: BaseException) -> str | None:
     """The one line for a failure torch reports at length, or None for any other error."""
     text = str(err).strip()

@@ -52,18 +52,18 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer_kind: str | None = None) -> LRFindResult:
     """Train with a growing lr and record the loss of every optimizer step.
 
-    Batches go to ``device`` whole (a BatchEncoding, or any object with a ``.to``, moves itself). The
-    loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, else ``batch_loss(
-    model, batch)``, e.g. ``lambda model, batch: model(**batch).loss``. Step i of n sets ``start_lr *
-    (end_lr / start_lr) ** (i / (n - 1))`` (``step_mode="linear"``: a straight line) on the first
-    group, the others keeping their ratio; lists of rates give each group its own. With ``val_loader``
-    a step's loss is its mean over it, in eval mode. The sweep stops at a non-finite loss, or (from
-    step ``min_iter_before_stop``) once the smoothed loss passes ``diverge`` x its best, or
-    ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x their lowest running median of five. All
-    it touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's generators,
-    samplers and workers (an iterator is used up). ``progress(i, lr, loss)`` sees each step.
-    ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None: told from the
-    optimizer) or by ``method``; none if no step happened or no weight moved."""
+    Batches go to ``device`` whole (a BatchEncoding, or any object with a ``.to``, moves itself). The loss is
+    ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, else ``batch_loss( model,
+    batch)``, e.g. ``lambda model, batch: model(**batch).loss``. Step i of n sets ``start_lr * (end_lr /
+    start_lr) ** (i / (n - 1))`` (``step_mode="linear"``: a straight line) on the first group, the others
+    keeping their ratio; lists of rates give each group its own. With ``val_loader`` a step's loss is its
+    mean over it, in eval mode. The sweep stops at a non-finite loss, or (from step ``min_iter_before_stop``)
+    once the smoothed loss passes ``diverge`` x its best, or ``DIVERGED_RUN`` raw losses in a row pass
+    ``diverge`` x their lowest running median of five. All it touched is put back, even on error: model,
+    optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers (an iterator is used up).
+    ``progress(i, lr, loss)`` sees each step. ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for
+    ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step happened or no
+    weight moved."""
     _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
                 num_iter, smooth, diverge, accum_steps, min_iter_before_stop)
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
@@ -240,7 +240,6 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
         wrote.append(_write_atomically(out_dir / "lr_find.png", png.getvalue()))
         from matplotlib.image import imread
         from torch.utils.tensorboard import SummaryWriter
-
         pixels = (imread(io.BytesIO(png.getvalue()), format="png")[..., :3] * 255).round()
         with SummaryWriter(str(out_dir / "lr_find"), purge_step=0) as writer:  # a re-run replaces it
             writer.add_image("lr_find", pixels.astype("uint8"), dataformats="HWC")
@@ -255,7 +254,6 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
     suggestion marked, the chosen one red. Draws on ``ax`` or a new matplotlib Figure (no pyplot
     state or GUI backend involved) and returns the Figure: ``.savefig("lr.png")`` writes a PNG."""
     from matplotlib.figure import Figure
-
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
     if raw:
@@ -299,23 +297,25 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as err:
         raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
                          f"files ({err.name} is missing); `from lr_find import lr_find` works alone") from err
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and os.environ.get("RANK", "0") != "0":
+    if (world_size := int(os.environ.get("WORLD_SIZE", "1"))) > 1 and os.environ.get("RANK", "0") != "0":
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
-    try:  # the data, model and optimizer that train.py builds from the same flags
-        cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
-        claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
-        device = distributed.pick_device(cfg.device)
-        torch.manual_seed(cfg.seed)
-        batches, _, info = build_loaders(cfg, device)
-        model = build_model(cfg, info.input_shape[0], len(info.names), device)
-        amp_dtype, scaler = amp_setup(device, cfg.amp)
-        with tqdm(total=cfg.find_iters, desc="lr_find", disable=not sys.stdout.isatty(), leave=False) as bar:
-            result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
-                                        progress=lambda i, lr, loss: bar.update())
+    try:  # the data, model and optimizer that train.py builds from the same flags; a signal raises
+        with distributed.SIGNALS.installed():
+            cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
+            claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
+            device = distributed.pick_device(cfg.device)
+            torch.manual_seed(cfg.seed)
+            batches, _, info = build_loaders(cfg, device)
+            model = build_model(cfg, info.input_shape[0], len(info.names), device)
+            amp_dtype, scaler = amp_setup(device, cfg.amp)
+            with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
+                result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
+                                            progress=lambda i, lr, loss: bar.update())
     except ValueError as err:  # a UserError, or lr_find's check of its arguments
         exit_with_error(str(err))
+    except (KeyboardInterrupt, Exception) as err:  # a signal in any phase, or a known failure of torch's
+        exit_with_error(*distributed.failure_line(err, "lr_find wrote nothing and the model is as it was"))
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}{'; rank 0 runs it' * (world_size > 1)}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
@@ -330,12 +330,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device, batches_per_step: int = 1,
                 progress=None) -> tuple[LRFindResult, list]:
-    """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 with
-    `batches_per_step` batches a step), and what it wrote: a record naming the task, for --lr auto."""
+    """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 taking
+    `batches_per_step` batches a step), and what it wrote (a record naming the task, for --lr auto)."""
     from checkpoints import reporting_write_errors
     from configs.resolve import task_identity
     from models import OPTIMIZERS, build_optimizer
-
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
     optimizer, loss = build_optimizer(model, cfg, cfg.find_start_lr), functools.partial(task.loss, cfg=cfg)
     with contextlib.closing(stream):

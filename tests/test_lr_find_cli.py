@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -149,3 +150,40 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
                     f"--out-dir '{tmp_path / 'a b'}' --lr auto")
     saved = json.loads((tmp_path / "a b" / "lr_find.json").read_text())
     assert resolve.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_the_sweep_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, signum):
+    """The signal arrives for real, mid-sweep: the sweep puts everything back, writes nothing, and main
+    ends in one line with 128 + the signal's number."""
+    real, seen = lr_find.lr_find, []
+
+    def signalled_at_step_3(*args, progress, **kwargs):
+        def progress_then_signal(i, lr, loss):
+            seen.append(i)
+            if i == 3:
+                os.kill(os.getpid(), signum)
+            progress(i, lr, loss)
+        return real(*args, progress=progress_then_signal, **kwargs)
+
+    monkeypatch.setattr(lr_find, "lr_find", signalled_at_step_3)
+    with pytest.raises(SystemExit) as stop:
+        lr_find.main([*SMALL, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 128 + signum and err.count("\n") == 1, err
+    name = signal.Signals(signum).name
+    assert err == (f"error: interrupted by {name}; lr_find wrote nothing and the model is as it was: run "
+                   "the command again\n")
+    assert max(seen) <= 4 and not (tmp_path / "lr_find.json").exists()
+
+
+def test_a_known_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(a long report follows)")
+
+    monkeypatch.setattr(lr_find, "lr_find", out_of_memory)
+    with pytest.raises(SystemExit) as stop:
+        lr_find.main([*SMALL, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1
+    assert "out of memory" in err and "lower --batch-size" in err
