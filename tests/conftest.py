@@ -1,3 +1,5 @@
+import collections
+import contextlib
 import hashlib
 import os
 import shutil
@@ -6,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -94,3 +97,37 @@ def add_entries(monkeypatch, *names: str) -> None:
         for key, value in scope.items():
             if isinstance(value, type) and issubclass(value, models.nn.Module) and key not in vars(models):
                 monkeypatch.setitem(models.MODELS, key.lower(), value)
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten ops run while it is active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def crash_at_step(monkeypatch, step: int):
+    """Within the block, train.py's optimizer step number `step` raises (the machine went away): the
+    steps before it ran, the checkpoints saved by then are all a resume has."""
+    import train
+
+    real, calls = train.optimizer_step, [0]
+
+    def crashing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == step:
+            raise RuntimeError("the machine went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "optimizer_step", crashing)
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            yield
+    finally:
+        monkeypatch.setattr(train, "optimizer_step", real)

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import crash_at_step
 from test_gpu_contract import (
     OPTIMIZERS,
     check_channels_last_and_autocast,
@@ -230,18 +231,8 @@ def test_cuda_graphs_capture_after_the_restore(tmp_path, monkeypatch):
     uninterrupted graphed run ends."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(straight)]))
-    real_step, calls = train.optimizer_step, [0]
-
-    def crash_at_step_7(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 7:
-            raise RuntimeError("the machine went away")
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(train, "optimizer_step", crash_at_step_7)
-    with pytest.raises(RuntimeError, match="went away"):
+    with crash_at_step(monkeypatch, 7):
         train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(broken)]))
-    monkeypatch.setattr(train, "optimizer_step", real_step)
     train.train(parse_config(["--resume", "--out-dir", str(broken)]))
     assert close(final_weights(broken), final_weights(straight), tol=1e-3)
 

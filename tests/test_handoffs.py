@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_main, run_script
+from conftest import ROOT, crash_at_step, run_main, run_script
 from test_resume import assert_same_state, final_state
 
 import checkpoints
@@ -151,18 +151,8 @@ def test_resume_needs_only_the_out_dir(tmp_path, monkeypatch, capsys):
         write_sweep(folder, 0.05, *argv)
     train.train(parse_config([*argv, "--out-dir", str(straight)]))
 
-    real_step, calls = train.optimizer_step, [0]
-
-    def crash_at_step_7(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 7:
-            raise RuntimeError("the machine went away")
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(train, "optimizer_step", crash_at_step_7)
-    with pytest.raises(RuntimeError, match="went away"):
+    with crash_at_step(monkeypatch, 7):
         train.train(parse_config([*argv, "--out-dir", str(broken)]))
-    monkeypatch.setattr(train, "optimizer_step", real_step)
     saved = checkpoints.load_checkpoint(broken / "last.pt")
     assert saved["step"] == 6 and saved["config"]["lr"] == 0.05  # --lr auto saved as the number used
     (broken / "lr_find.json").unlink()  # a resume never reads it again
@@ -262,7 +252,6 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
     """A setting is compared by default (a new one too); the ones that cannot move the rate say so."""
     import dataclasses
 
-
     assert configs.setting(1, "a new setting").metadata["keeps_lr"] is False
     base = parse_config([*TINY])
     for field in dataclasses.fields(configs.Config):
@@ -275,5 +264,5 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
     assert kept == {"data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
                     "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor",
                     "final_div_factor", "find_start_lr", "find_end_lr", "find_iters", "find_method", "device",
-                    "channels_last", "compile", "seed", "out_dir", "log_every", "save_every", "resume",
-                    "allow_more_epochs", "evaluate"}
+                    "channels_last", "compile", "cuda_graphs", "seed", "out_dir", "log_every", "save_every",
+                    "resume", "allow_more_epochs", "evaluate"}

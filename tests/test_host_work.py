@@ -15,7 +15,7 @@ import io
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import Ops
 
 import task
 import train
@@ -28,18 +28,6 @@ STEPS = 4  # N; the second run has 3N (counts are exact: a few steps suffice)
 # loop with no waste needs that one op or none; the division by the micro-batches is the bare loop's
 # too (where there are several), and the rate is a host float.
 LOOP_OPS_PER_MICRO_BATCH = 1
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten ops run while it is active, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def per_step(run) -> collections.Counter:

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import Ops
 from PIL import Image
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -716,18 +716,6 @@ def test_progress_sees_each_step_index_lr_and_loss():
                         progress=lambda *args: seen.append(args))
     assert seen == list(zip(range(12), result.lrs, result.losses, strict=True))
     assert result.losses == pytest.approx(values)
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten ops run while it is active, by name (as tests/test_host_work.py does)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_per_step(run) -> collections.Counter:

@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from conftest import add_entries, fingerprint
+from conftest import add_entries, crash_at_step, fingerprint
 from forks import multilabel, regression
 from test_resume import assert_same_state, final_state
 from test_sync import per_step
@@ -52,18 +52,8 @@ def test_a_crashed_run_resumes_to_the_same_weights(case, tmp_path, monkeypatch):
     argv = [*flags, *SMALL, "--synthetic-size", "96", "--batch-size", "32", "--epochs", "3", "--dropout",
             "0.2", "--save-every", "2"]
     quietly([*argv, "--out-dir", str(tmp_path / "straight")], task)
-    real, calls = train.optimizer_step, [0]
-
-    def crash_at_step_5(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise RuntimeError("the machine went away")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(train, "optimizer_step", crash_at_step_5)
-    with pytest.raises(RuntimeError, match="went away"):
+    with crash_at_step(monkeypatch, 5):
         quietly([*argv, "--out-dir", str(tmp_path / "broken")], task)
-    monkeypatch.setattr(train, "optimizer_step", real)
     assert checkpoints.load_checkpoint(tmp_path / "broken" / "last.pt")["step"] == 4  # mid-epoch
     summary = quietly(["--resume", "--out-dir", str(tmp_path / "broken")], task)
     assert summary["parts"] == 2 and f"best_val_{task.MAIN_METRIC}" in summary
