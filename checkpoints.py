@@ -321,8 +321,9 @@ def load_predictor(path: Path, task_name: str) -> dict:
                         f"{task_name!r}; predict with the task.py it was trained with")
     if ckpt["inputs"] is None:
         dataset = ckpt["config"].get("dataset")
-        raise UserError(f"--predict reads image files, and {path} was trained on inputs that are not images "
-                        f"(--dataset {dataset}); run its model on your tensors in your own code")
+        raise UserError(f"--predict reads image files (and --tta flip mirrors them), and {path} was trained "
+                        f"on inputs that are not images (--dataset {dataset}); run its model on your tensors "
+                        "in your own code")
     return ckpt
 
 
