@@ -213,7 +213,7 @@ def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: 
                 "config": {**cfg.to_dict(), "lr": lr},
                 "task": task.NAME,
                 "data": data,  # what fixes the schedule: a resume on other data is refused
-                "inputs": inputs,  # how its images were read (data.py's DataInfo.preprocess): --predict's
+                "inputs": inputs,  # how its images were read: --predict reads new ones the same way
                 "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
             }, path)
     if name == "last.pt":
