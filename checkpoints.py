@@ -67,7 +67,7 @@ def load_checkpoint(path: str | Path) -> dict:
             reason = "it holds objects other than tensors and plain data"
         raise UserError(f"checkpoint {path} refused: {reason}; only weights_only checkpoints "
                         "load (nothing in it was executed)") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first[:120]}); "
                         "delete it or resume from another file") from None
@@ -304,6 +304,27 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
                           "to do, nothing changed; train longer with a new run (or --epochs N "
                           "--allow-more-epochs for constant, warmup and step schedules)")
     return ckpt, path, cfg
+
+
+def load_predictor(path: Path, task_name: str) -> dict:
+    """--predict's checkpoint: train.py's, for this task, holding its class names and how its images
+    were read ("inputs"); any other is refused in one line before anything is built."""
+    if not path.is_file():
+        raise UserError(f"--checkpoint {path}: no such file; train first (the default is runs/default/"
+                        "best.pt) or pass --checkpoint PATH, a best.pt or last.pt of train.py")
+    ckpt = load_checkpoint(path)
+    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("data"), dict) and "inputs" in ckpt):
+        raise UserError(f"checkpoint {path} records no image preprocessing: it predates --predict or is not "
+                        "train.py's; train it again with this version to predict with it")
+    if ckpt.get("task") != task_name:
+        raise UserError(f"checkpoint {path} was trained for the task {ckpt.get('task')!r}, and task.py is "
+                        f"{task_name!r}; predict with the task.py it was trained with")
+    if ckpt["inputs"] is None:
+        dataset = ckpt["config"].get("dataset")
+        raise UserError(f"--predict reads image files (and --tta flip mirrors them), and {path} was trained "
+                        f"on inputs that are not images (--dataset {dataset}); run its model on your tensors "
+                        "in your own code")
+    return ckpt
 
 
 class NothingToDo(UserError):

@@ -322,15 +322,15 @@ def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device
              sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
     files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
-        raise UserError(f"--predict {_shown(path)}: no images ({', '.join(IMAGE_SUFFIXES)}) in it")
-    skipped = f"skipped {len(found) - len(files)} files that are not images" * (len(found) > len(files))
-    reading = replace(cfg, image_size=prep["size"], channels=prep["channels"])
+        what = "is not an image file" if path.is_file() else "holds no image files"
+        raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
+    skipped = f"{len(found) - len(files)} skipped (not image files)" * (len(found) > len(files))
+    reading = replace(cfg, dataset="--predict", image_size=prep["size"], channels=prep["channels"])
     steps = ImageSteps(torch.tensor(prep["mean"]), torch.tensor(prep["std"]), channels_last=cfg.channels_last,
                        resize=prep["resize"])
-    files_source = _image_files(reading, [(f, 0) for f in files], [], [], flip=False).train
-    batches = Batches(files_source, None, batch_size=cfg.batch_size, train=False, seed=cfg.seed,
-                      device=device, image=steps, num_workers=cfg.num_workers)
-    return batches, files, skipped
+    source = _image_files(reading, [(f, 0) for f in files], [], [], flip=False).train
+    return (Batches(source, None, batch_size=cfg.batch_size, train=False, seed=cfg.seed, device=device,
+                    image=steps, num_workers=cfg.num_workers), files, skipped)
 
 
 # ---------------------------------------------------------------- files and statistics

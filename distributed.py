@@ -12,6 +12,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import socket
 import threading
@@ -344,6 +345,24 @@ class Signals:
 
 
 SIGNALS = Signals()  # one per process, as signal handlers are
+
+
+def stop_if_signalled(stop, log_point: bool, device, run, save, saved: bool, say, out_dir: Path,
+                      world_size: int) -> None:
+    """After a signal in train.py's loop: save `run` (unless `saved` just now), say how to continue, and
+    exit 128 + its number."""
+    if stop.now(log_point, device):
+        if not saved:
+            save(run, "last.pt")
+        say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
+            f"`{continue_command(out_dir, world_size)}`")
+        raise SystemExit(stop.exit_code)
+
+
+def continue_command(out_dir: Path, world_size: int) -> str:
+    """The command that continues this run from its last.pt."""
+    return shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
+        " (under torchrun, with those flags)" if world_size > 1 else "")
 
 
 def worker_init(worker: int) -> None:

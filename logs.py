@@ -8,6 +8,7 @@ writes it, on rank 0, and turns a failed write into one line.
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import math
 import threading
@@ -222,6 +223,27 @@ def report_evaluation(task, val, pictures: dict, *, val_size: int, checkpoint: P
                 wrote.append(out_dir / f"eval_{name}.png")
         print(f"wrote {' and '.join(map(str, wrote))}")
     return report
+
+
+def write_predictions(path: Path, header: list[str], rows: list[list], files: list[Path], skipped: str,
+                      tta: str, shown: int = 5) -> Path:
+    """--predict's predictions.csv, written whole: a `file` column, the task's columns, and under --tta
+    flip a `tta` column saying so; then its first rows as a table, and the count."""
+    extra = [tta] if tta != "none" else []
+    table = [["file", *header, *(["tta"] if extra else [])]] + [
+        [str(file), *(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row), *extra]
+        for file, row in zip(files, rows, strict=True)]
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(table)
+    write_bytes_atomic(path, text.getvalue().encode())
+    columns = min(len(table[0]), 5)  # the file, and the task's first columns
+    widths = [max(len(row[i]) for row in table[:shown + 1]) for i in range(columns)]
+    for row in table[:shown + 1]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
+    more = f" (the first {shown} above)" if len(rows) > shown else ""
+    count = f"{len(rows)} file{'s' * (len(rows) != 1)}"
+    print(f"{count} predicted -> {path}{more}" + (f"; {skipped}" if skipped else ""))
+    return path
 
 
 # ---------------------------------------------------------------- pictures

@@ -161,10 +161,10 @@ def build_model(cfg: Config, channels: int, num_outputs: int,
                 device: torch.device | str = "cpu") -> nn.Module:
     """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it.
 
-    A new run starts from --pretrained or --init-from weights; a resumed or evaluated one gets
-    every weight from its own checkpoint, so they are not loaded then.
+    A new run starts from --pretrained or --init-from weights; a resumed, evaluated or predicting one
+    gets every weight from its own checkpoint, so they are not loaded then.
     """
-    starting = not (cfg.resume or cfg.evaluate)
+    starting = not (cfg.resume or cfg.evaluate or cfg.predict)
     model = _architecture(cfg, channels, num_outputs, pretrained=cfg.pretrained and starting)
     if cfg.init_from and starting:
         if not Path(cfg.init_from).is_file():

@@ -1,11 +1,12 @@
 """The task: what the model's outputs mean. To train for another task, this is the file to edit.
 
-It holds the loss, the metrics an evaluation reports, and the pictures TensorBoard shows. Every
-path that computes a loss or a metric calls these: the training loop, `--lr find` and
-`python lr_find.py`, evaluation, `--evaluate`, the benchmarks. The rest of the template (resume,
+It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a
+prediction is (a row of --predict's predictions.csv). Every path that computes a loss or a metric
+calls these: the training loop, `--lr find` and `python lr_find.py`, evaluation, `--evaluate`, the
+benchmarks. The rest of the template (resume,
 torchrun, checkpoints, logs) reads only the names defined here, so it works for any task that
 defines them. This one is single-label classification: cross-entropy, accuracy, a confusion
-matrix and the most confidently wrong images. tests/tasks/ holds two other tasks written this
+matrix and the most confidently wrong images. tests/forks/ holds two other tasks written this
 way (regression, multi-label), which the machinery tests run too.
 """
 
@@ -91,6 +92,18 @@ def report(val: Evaluation) -> list[str]:
     """--evaluate's lines below `describe`'s: each class's accuracy."""
     return [f"{name:>12}  {'no examples' if acc is None else show('acc', acc)}"
             for name, acc in val.details["per_class_acc"].items()]
+
+
+def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[list[str], list[list]]:
+    """--predict's columns (after `file`) and a row per input: the most likely class and its softmax
+    probability, then the next most likely ones, top_k in all (at most one per class)."""
+    k = min(top_k, len(names))
+    probabilities, classes = outputs.float().softmax(1).topk(k, 1)
+    header = ["class", "probability", *(f"{what}_{i}" for i in range(2, k + 1)
+                                         for what in ("class", "probability"))]
+    rows = [[value for c, p in zip(row, chances, strict=True) for value in (names[c], p)]
+            for row, chances in zip(classes.tolist(), probabilities.tolist(), strict=True)]
+    return header, rows
 
 
 # ---------------------------------------------------------------- pictures

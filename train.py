@@ -5,7 +5,8 @@ each optimizer step its micro-batches, a log point now and then, a save on Ctrl-
 each epoch's end an evaluation and a checkpoint; at the end the summary. What the outputs mean
 (the loss, the metrics, the pictures) is task.py; what surrounds the loop is in checkpoints.py,
 distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
-`python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead.
+`python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead;
+`python train.py --predict PATH [--checkpoint runs/x/best.pt]` predicts images with it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import shlex
+import re
 import signal
 import sys
 import time
@@ -31,7 +32,8 @@ import logs
 import lr_find
 import task as default_task
 from configs import Config, UserError, parse_given, resolve
-from data import UnreadableImage, build_loaders
+from data import UnreadableImage, build_loaders, prediction_batches
+from distributed import continue_command, stop_if_signalled
 from models import amp_setup, autocast, build_model, build_optimizer, load_weights, runnable, weights_of
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
@@ -105,7 +107,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
     save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
                              optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps,
-                             data=data)
+                             data=data, inputs=info.preprocess)
     logs.announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard, say)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
@@ -185,7 +187,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
 
 def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: Config, lr: float, task,
-                    model, optimizer, scheduler, scaler, total_steps: int, data: dict) -> None:
+                    model, optimizer, scheduler, scaler, total_steps: int, data: dict,
+                    inputs: dict | None = None) -> None:
     """A checkpoint that continues where `run` stands: the states a run continues from bit for bit
     (every RNG's included), where it stood, and its config. Never one of nan or inf weights. The
     rates kept since the last log point go to TensorBoard first: its log holds every step saved."""
@@ -210,6 +213,7 @@ def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: 
                 "config": {**cfg.to_dict(), "lr": lr},
                 "task": task.NAME,
                 "data": data,  # what fixes the schedule: a resume on other data is refused
+                "inputs": inputs,  # how its images were read: --predict reads new ones the same way
                 "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
             }, path)
     if name == "last.pt":
@@ -247,23 +251,6 @@ def resume(ckpt: dict, path: Path, cfg: Config, data: dict, model, optimizer, sc
     say(f"resumed from {path} at step {run.step} "
         f"({checkpoints.position(run.epoch, run.batch, cfg.epochs, data['batches'])})")
     return run
-
-
-def stop_if_signalled(stop, log_point: bool, device, run: Run, save, saved: bool, say, out_dir: Path,
-                      world_size: int) -> None:
-    """After a signal: save (unless `saved` just now), say how to continue, and exit 128 + its number."""
-    if stop.now(log_point, device):
-        if not saved:
-            save(run, "last.pt")
-        say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
-            f"`{continue_command(out_dir, world_size)}`")
-        raise SystemExit(stop.exit_code)
-
-
-def continue_command(out_dir: Path, world_size: int) -> str:
-    """The command that continues this run from its last.pt."""
-    return shlex.join(["python", "train.py", "--resume", "--out-dir", str(out_dir)]) + (
-        " (under torchrun, with those flags)" if world_size > 1 else "")
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
@@ -365,7 +352,7 @@ def diverged(what: str, optimizer, lr: float, run: Run, out_dir: Path) -> UserEr
                      f"to find one; {kept}")
 
 
-# ---------------------------------------------------------------- --evaluate and the command line
+# ---------------------------------------------------------------- --evaluate, --predict and the command line
 
 
 def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_task) -> dict:
@@ -390,13 +377,43 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
                                   is_main=rank == 0)
 
 
+@torch.no_grad()
+def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
+    """--predict PATH: each image through a saved model, read as its run read its own (the checkpoint
+    keeps how), one row each from the task, in predictions.csv next to the checkpoint (or in an
+    --out-dir given here). The outputs stay on the device until the last batch: one read in all."""
+    given = cfg.to_dict() if given is None else given
+    path = Path(cfg.checkpoint)
+    ckpt = checkpoints.load_predictor(path, task.NAME)
+    cfg = resolve.evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
+    device, names, inputs = distributed.pick_device(cfg.device), ckpt["data"]["names"], ckpt["inputs"]
+    batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), inputs, device)
+    model = build_model(cfg, inputs["channels"], len(names), device).eval()
+    load_weights(model, weights_of(ckpt), len(names), f"--checkpoint {path}", new_head=False)
+    amp_dtype, outputs = amp_setup(device, cfg.amp)[0], []
+    try:
+        for images, _ in tqdm(batches.epoch(0), total=len(batches), desc="predict", leave=False,
+                              disable=not sys.stdout.isatty()):
+            with autocast(device, amp_dtype):  # --tta flip: the mirror image's outputs averaged in
+                views = [model(images)] + ([model(images.flip(-1))] if cfg.tta == "flip" else [])
+            outputs.append(sum(view.float() for view in views) / len(views))
+    except UnreadableImage as err:
+        line = re.sub(r" \(class folder '.*?'\)", "", str(err))  # these files are of no class
+        raise UnreadableImage(f"--predict: {line}; move it away, or list the others in a CSV") from None
+    header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
+    out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
+    return logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+
+
 def main() -> None:
     try:
         with distributed.SIGNALS.installed():  # from start-up on: a signal is one line, never a traceback
             given = parse_given(description=__doc__.splitlines()[0])
             cfg = Config(**given)
-            if cfg.evaluate:
-                evaluate_checkpoint(cfg, given)
+            if cfg.evaluate and cfg.predict:
+                raise UserError("--evaluate and --predict are two modes of train.py; give one of them")
+            if cfg.evaluate or cfg.predict:
+                (predict if cfg.predict else evaluate_checkpoint)(cfg, given)
                 return
             if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
                 configs.validate(cfg)

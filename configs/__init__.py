@@ -25,6 +25,7 @@ AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
 FIND_METHODS = ("auto", "minimum", "min/3", "min/10")  # lr_find.METHODS + auto
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
+TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
 
@@ -157,6 +158,17 @@ class Config:
                                       may_change=True, keeps_lr=True)
     evaluate: str = setting("", "a checkpoint: run the validation split once through it, print and write "
                             "eval.json next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
+    # --predict (how a saved model is run, like --evaluate: never taken from its checkpoint's config)
+    predict: str = setting("", "an image, a folder (searched recursively) or a CSV (a header, then file "
+                           "paths in its first column): predict each with --checkpoint, write "
+                           "predictions.csv next to it (or into --out-dir), train nothing; \"\": off",
+                           may_change=True, keeps_lr=True)
+    checkpoint: str = setting("runs/default/best.pt", "--predict: the checkpoint that predicts",
+                              may_change=True, keeps_lr=True)
+    top_k: int = setting(5, "--predict: the most likely classes written per file (at most the class count)",
+                         limits="> 0", may_change=True, keeps_lr=True)
+    tta: str = setting("none", "--predict: flip averages each image's outputs with its mirror image's",
+                       choices=TTA_MODES, may_change=True, keeps_lr=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

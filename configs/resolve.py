@@ -44,17 +44,21 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
     return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}))
 
 
-# What --evaluate takes from its command line; the model and data settings come from the checkpoint.
+# What --evaluate and --predict take from their command line; the model and data settings come from the
+# checkpoint. The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
+MODE_SETTINGS = ("evaluate", "predict", "checkpoint", "top_k", "tta")
 
 
 def evaluated_config(cfg: Config, given: dict, saved) -> Config:
-    """The config --evaluate runs with. A checkpoint of ours (`saved`: its config) is built as it was
-    trained and run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with cfg."""
+    """The config --evaluate and --predict run with. A checkpoint of ours (`saved`: its config) is built
+    as it was trained and run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with
+    cfg."""
     if isinstance(saved, dict):
         here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
-        cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, "resume": "",
-                        "init_from": "", "evaluate": str(Path(cfg.evaluate))})
+        mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
+        cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, **mode, "resume": "",
+                        "init_from": "", "evaluate": cfg.evaluate and str(Path(cfg.evaluate))})
     return validate(cfg)
 
 

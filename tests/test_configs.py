@@ -151,7 +151,8 @@ def test_choice_lists_agree_with_the_files_that_must_stay_standalone():
         models.amp_dtype(torch.device("cpu"), mode)
     assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": configs.LOADERS,
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": configs.SCHEDULES,
-                       "find_method": configs.FIND_METHODS, "amp": configs.AMP_MODES}
+                       "find_method": configs.FIND_METHODS, "amp": configs.AMP_MODES,
+                       "tta": configs.TTA_MODES}
 
 
 def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):

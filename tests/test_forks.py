@@ -13,12 +13,15 @@ import time
 import pytest
 import torch
 from conftest import make_fork, read_scalars
+from PIL import Image
 from test_resume import assert_same_state, final_state
 
-FORKS = {  # task file, dataset entry, flags, the main metric and a value it must beat
+FORKS = {  # task file, dataset entry, flags, the main metric and a value it must beat, --predict's columns
     "regression": ("regression", "regression_data",
-                   ["--dataset", "square_positions", "--synthetic-size", "128"], "mae", lambda v: v < 0.2),
-    "multilabel": ("multilabel", "multilabel_data", ["--dataset", "digit_facts"], "f1", lambda v: v > 0.6),
+                   ["--dataset", "square_positions", "--synthetic-size", "128"], "mae", lambda v: v < 0.2,
+                   "file,row,column"),
+    "multilabel": ("multilabel", "multilabel_data", ["--dataset", "digit_facts"], "f1", lambda v: v > 0.6,
+                   "file,tags,even,above_4,prime"),
 }
 SMALL = ["--width", "8", "--batch-size", "32", "--device", "cpu", "--num-workers", "0", "--find-iters", "20"]
 
@@ -46,7 +49,7 @@ def interrupted(project, *args) -> str:
 
 @pytest.mark.parametrize("name", FORKS)
 def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
-    task, dataset, flags, metric, good = FORKS[name]
+    task, dataset, flags, metric, good, columns = FORKS[name]
     project = make_fork(tmp_path, task, data=(dataset,))
     argv = [*flags, *SMALL, "--epochs", "12", "--save-every", "2"]
 
@@ -74,6 +77,14 @@ def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
     scalars = read_scalars(project / "a")
     assert {"train/loss", "train/lr", "val/loss", f"val/{metric}"} <= scalars.keys()
     assert [step for step, _ in scalars["train/lr"]] == list(range(1, summary["steps"] + 1))
+
+    # --predict: the fork's task.py says what a row of predictions.csv is
+    (project / "new").mkdir()
+    for i in range(3):
+        Image.new("L", (8, 8), 40 * i).save(project / "new" / f"{i}.png")
+    assert "3 files predicted -> a/predictions.csv" in run(project, "train.py", "--predict", "new",
+                                                             "--checkpoint", "a/best.pt")
+    assert (project / "a" / "predictions.csv").read_text().splitlines()[0] == columns
 
 
 def test_a_signal_fork_adds_a_dataset_and_a_model(tmp_path):

@@ -66,6 +66,13 @@ def report(val: Evaluation) -> list[str]:
     return [f"{name:>12}  f1 {value:.2%}" for name, value in val.details["f1_per_label"].items()]
 
 
+def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[list[str], list[list]]:
+    """--predict's columns: the labels whose probability is above THRESHOLD, then each label's."""
+    chances = outputs.float().sigmoid().tolist()
+    return ["tags", *names], [[" ".join(n for n, p in zip(names, row, strict=True) if p > THRESHOLD), *row]
+                              for row in chances]
+
+
 def input_picture(inputs, targets, names, pixels):
     if pixels is None:
         return None

@@ -61,6 +61,11 @@ def report(val: Evaluation) -> list[str]:
     return [f"{name:>12}  mae {value:.4f}" for name, value in val.details["mae_per_output"].items()]
 
 
+def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[list[str], list[list]]:
+    """--predict's columns: the number predicted for each output."""
+    return list(names), outputs.float().tolist()
+
+
 def input_picture(inputs, targets, names, pixels):
     if pixels is None:
         return None

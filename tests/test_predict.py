@@ -1,0 +1,337 @@
+"""--predict: a checkpoint's model on new image files, read as its run read its own (the checkpoint keeps
+how: size, resize, channels, mean and std, a pretrained model's own), a row each from the task in
+predictions.csv; every bad input one line."""
+
+import csv
+import json
+import shutil
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import add_entries, run_main
+from PIL import Image
+
+import data
+import train
+from configs import Config, parse_config, parse_given, resolve
+from models import build_model, load_weights, weights_of
+
+CPU = ["--device", "cpu", "--num-workers", "0"]
+SQUEEZENET = "squeezenet1_1-b8a52dc0.pth"  # torchvision's default squeezenet1_1 weights file
+
+
+def rows_of(path: Path) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def predicted(path: Path) -> dict[str, list[str]]:
+    """predictions.csv's rows by file name (the header under "header")."""
+    header, *rows = rows_of(path)
+    return {"header": header, **{Path(row[0]).name: row[1:] for row in rows}}
+
+
+def one_line(code, out: str, err: str) -> str:
+    assert code == 2, (code, out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+    return err
+
+
+def image_folder(root: Path, channels: int = 3, count: int = 6) -> Path:
+    """root/{train,val}/{dark,light}/*.png, 20x20, RGB or grayscale files."""
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for label, name in enumerate(("dark", "light")):
+            (root / split / name).mkdir(parents=True)
+            for k in range(count):
+                pixels = (40 + 150 * label + torch.randint(0, 60, (20, 20, 3), generator=g)).to(torch.uint8)
+                image = Image.fromarray(pixels.numpy())
+                (image.convert("L") if channels == 1 else image).save(root / split / name / f"{k}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """A two-epoch digits run, and its 360 val images written as 8x8 grayscale PNG files with their labels."""
+    out = tmp_path_factory.mktemp("digits")
+    train.train(parse_config([*CPU, "--epochs", "2", "--width", "8", "--out-dir", str(out / "run")]))
+    images, labels = data.digits(Config()).val
+    (out / "pngs").mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image[0].numpy()).save(out / "pngs" / f"{i:03d}.png")
+    return out / "run", out / "pngs", [str(label) for label in labels.tolist()]
+
+
+@pytest.fixture(scope="module", params=[3, 1], ids=["rgb", "gray"])
+def folder_run(request, tmp_path_factory):
+    """A two-epoch imagefolder run on RGB or grayscale (--channels 1) 16 px images."""
+    out = tmp_path_factory.mktemp(f"folder{request.param}")
+    root = image_folder(out / "images", request.param)
+    train.train(parse_config([*CPU, "--dataset", "imagefolder", "--data-dir", str(root), "--image-size", "16",
+                              "--channels", str(request.param), "--epochs", "2", "--batch-size", "8",
+                              "--width", "8", "--lr", "0.05", "--out-dir", str(out / "run")]))
+    return out / "run", root, request.param
+
+
+def test_a_digits_model_predicts_its_val_images_as_evaluate_scores_them(digits_run, monkeypatch, capsys):
+    run, pngs, labels = digits_run
+    (pngs / "notes.txt").write_text("not an image")  # skipped, and counted
+    code, out, err = run_main(monkeypatch, capsys, "--predict", pngs, "--checkpoint", run / "best.pt", *CPU)
+    assert code == 0, err
+    rows = predicted(run / "predictions.csv")
+    assert rows.pop("header") == ["file", "class", "probability",
+                                  *(f"{w}_{i}" for i in range(2, 6) for w in ("class", "probability"))]
+    assert len(rows) == 360 and "notes.txt" not in rows
+    assert out.splitlines()[0].split() == ["file", "class", "probability", "class_2", "probability_2"]
+    assert out.splitlines()[-1] == (f"360 files predicted -> {run / 'predictions.csv'} (the first 5 above); "
+                                    "1 skipped (not image files)")
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+    # --evaluate's accuracy, to the image: each file gets the class evaluation gives its val image
+    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", *CPU)
+    assert code == 0, err
+    right = sum(rows[f"{i:03d}.png"][0] == label for i, label in enumerate(labels))
+    assert right / 360 == json.loads((run / "eval.json").read_text())["val_acc"]
+    ckpt = torch.load(run / "best.pt", weights_only=True)
+    cfg = resolve.evaluated_config(Config(evaluate=str(run / "best.pt")), {"device": "cpu"}, ckpt["config"])
+    _, val, info = data.build_loaders(cfg, torch.device("cpu"))
+    model = build_model(cfg, 1, 10).eval()
+    load_weights(model, weights_of(ckpt), 10, "test", new_head=False)
+    with torch.no_grad():
+        chances = torch.cat([model(x) for x, _ in val.epoch(0)]).softmax(1)
+    for i, row in enumerate(chances.tolist()):
+        best = max(range(10), key=row.__getitem__)
+        assert rows[f"{i:03d}.png"][:2] == [str(best), f"{row[best]:.6g}"], i
+
+
+def test_an_imagefolder_model_predicts_a_folder_and_a_csv_list_alike(folder_run, tmp_path, monkeypatch,
+                                                                     capsys):
+    run, root, channels = folder_run
+    code, out, err = run_main(monkeypatch, capsys, "--predict", root / "val", "--checkpoint", run / "best.pt",
+                              "--top-k", "50", "--out-dir", tmp_path / "folder", *CPU)  # searched recursively
+    assert code == 0, err
+    folder = rows_of(tmp_path / "folder" / "predictions.csv")
+    assert folder[0] == ["file", "class", "probability", "class_2", "probability_2"]  # top-k: 2 classes
+    assert len(folder) == 1 + 12 and not (run / "predictions.csv").exists()
+    right = sum(Path(row[0]).parent.name == row[1] for row in folder[1:])  # the class folder is the truth
+    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", "--out-dir", tmp_path, *CPU)
+    assert code == 0 and right / 12 == json.loads((tmp_path / "eval.json").read_text())["val_acc"], err
+
+    # a CSV of file paths under a header (relative to the CSV's folder), read by two workers
+    listed = tmp_path / "list.csv"
+    paths = [Path(row[0]).relative_to(tmp_path.parent) for row in folder[1:]]
+    listed.write_text("path\n" + "".join(f"../{p}\n" for p in reversed(paths)))
+    code, out, err = run_main(monkeypatch, capsys, "--predict", listed, "--checkpoint", run / "best.pt",
+                              "--top-k", "50", "--out-dir", tmp_path / "csv", "--device", "cpu",
+                              "--num-workers", "2")
+    assert code == 0, err
+    from_csv = rows_of(tmp_path / "csv" / "predictions.csv")
+    same_files = [Path(row[0]).resolve() for row in folder[:0:-1]]
+    assert [Path(row[0]).resolve() for row in from_csv[1:]] == same_files
+    assert [row[1:] for row in from_csv[1:]] == [row[1:] for row in folder[:0:-1]]
+
+
+def test_each_model_gets_its_own_channels(folder_run, tmp_path):
+    """An RGB file for a grayscale model is read as grayscale (PIL's "L"), and a grayscale file for an RGB
+    model as RGB, each normalized with the mean and std the run trained with."""
+    run, _, channels = folder_run
+    inputs = torch.load(run / "best.pt", weights_only=True)["inputs"]
+    assert inputs["channels"] == channels and inputs["size"] == 16 and len(inputs["mean"]) == channels
+    colour = torch.tensor([[[200, 30, 90]]], dtype=torch.uint8).expand(16, 16, 3).contiguous()
+    Image.fromarray(colour.numpy()).save(tmp_path / "rgb.png")
+    Image.fromarray(colour.numpy()).convert("L").save(tmp_path / "gray.png")
+    cfg = parse_config(CPU)
+    batches, files, skipped = data.prediction_batches(cfg, tmp_path, inputs, torch.device("cpu"))
+    (x, _), = list(batches.epoch(0))
+    assert files == [tmp_path / "gray.png", tmp_path / "rgb.png"] and not skipped
+    assert x.shape == (2, channels, 16, 16)
+    gray = float(Image.fromarray(colour.numpy()).convert("L").getpixel((0, 0)))
+    pixels = [[gray] * channels, [200.0, 30.0, 90.0] if channels == 3 else [gray]]  # gray.png, then rgb.png
+    mean, std = torch.tensor(inputs["mean"]), torch.tensor(inputs["std"])
+    expected = (torch.tensor(pixels) / 255 - mean) / std
+    assert torch.allclose(x[:, :, 5, 5], expected, atol=1e-5)
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch):
+    """$TORCH_HOME in a temporary folder, and no network: a download attempt fails as offline."""
+    home = tmp_path / "torch"
+    monkeypatch.setenv("TORCH_HOME", str(home))
+
+    def offline(url, dst, *args, **kwargs):
+        raise urllib.error.URLError("no network here")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    return home
+
+
+def test_a_pretrained_model_predicts_with_its_own_transforms(torch_home, tmp_path, monkeypatch, capsys):
+    """squeezenet1_1 --pretrained (its weights faked, as no download works here) trains at the weights'
+    crop size and normalization; --predict reads new files the same way, and loads no weights file."""
+    import torchvision
+    from torchvision import transforms as T
+
+    torch.manual_seed(0)
+    (torch_home / "hub" / "checkpoints").mkdir(parents=True)
+    weights_file = torch_home / "hub" / "checkpoints" / SQUEEZENET
+    torch.save(torchvision.models.squeezenet1_1(weights=None).state_dict(), weights_file)
+    root = image_folder(tmp_path / "images", count=2)
+    train.train(parse_config([*CPU, "--dataset", "imagefolder", "--data-dir", str(root), "--model",
+                              "squeezenet1_1", "--pretrained", "--batch-size", "4", "--epochs", "1",
+                              "--out-dir", str(tmp_path / "run")]))
+    weights_file.unlink()  # predicting needs the checkpoint alone
+    Image.new("RGB", (40, 30), (200, 120, 40)).save(tmp_path / "new.png")
+    code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / "new.png", "--checkpoint",
+                              tmp_path / "run" / "best.pt", *CPU)
+    assert code == 0, err
+    ckpt = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    own = torchvision.models.SqueezeNet1_1_Weights.DEFAULT.transforms()
+    assert ckpt["inputs"]["size"] == own.crop_size[0] == 224 and ckpt["inputs"]["resize"] == 0
+    assert ckpt["inputs"]["mean"] == pytest.approx(own.mean)
+    assert ckpt["inputs"]["std"] == pytest.approx(own.std)
+
+    # the probabilities are the model's on the file resized, center-cropped and normalized that way
+    model = torchvision.models.squeezenet1_1(weights=None, num_classes=2).eval()
+    model.load_state_dict(ckpt["model"])
+    steps = T.Compose([T.Resize(224), T.CenterCrop(224), T.PILToTensor()])
+    pixels = steps(Image.open(tmp_path / "new.png").convert("RGB")).float() / 255
+    x = (pixels - torch.tensor(own.mean)[:, None, None]) / torch.tensor(own.std)[:, None, None]
+    with torch.no_grad():
+        chances = model(x[None]).softmax(1)[0].tolist()
+    (_, name, probability, *_), = rows_of(tmp_path / "run" / "predictions.csv")[1:]
+    best = max(range(2), key=chances.__getitem__)
+    assert name == ["dark", "light"][best] and float(probability) == pytest.approx(chances[best], abs=1e-5)
+
+
+def test_tta_flip_averages_each_image_with_its_mirror(digits_run, tmp_path, monkeypatch, capsys):
+    """An image and its mirror image get the same outputs under --tta flip (not without), said in a
+    `tta` column."""
+    run, pngs, _ = digits_run
+    for side in ("as_is", "mirrored"):
+        (tmp_path / side).mkdir()
+        for i in range(24):
+            image = Image.open(pngs / f"{i:03d}.png")
+            (image if side == "as_is" else image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)).save(
+                tmp_path / side / f"{i:03d}.png")
+    results = {}
+    for tta in ("none", "flip"):
+        for side in ("as_is", "mirrored"):
+            code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / side, "--checkpoint",
+                                      run / "best.pt", "--tta", tta, "--out-dir", tmp_path / tta / side, *CPU)
+            assert code == 0, err
+            results[tta, side] = predicted(tmp_path / tta / side / "predictions.csv")
+    assert results["flip", "as_is"] == results["flip", "mirrored"]
+    assert results["flip", "as_is"]["header"][-1] == "tta"
+    assert results["flip", "as_is"]["000.png"][-1] == "flip"
+    assert results["none", "as_is"] != results["none", "mirrored"]
+    assert "tta" not in results["none", "as_is"]["header"]
+
+
+def test_the_default_checkpoint_is_runs_default_best_pt(digits_run, tmp_path, monkeypatch, capsys):
+    run, pngs, _ = digits_run
+    monkeypatch.chdir(tmp_path)
+    line = one_line(*run_main(monkeypatch, capsys, "--predict", pngs / "000.png"))
+    assert "--checkpoint runs/default/best.pt: no such file" in line
+    (tmp_path / "runs" / "default").mkdir(parents=True)
+    shutil.copy(run / "best.pt", tmp_path / "runs" / "default" / "best.pt")
+    code, out, err = run_main(monkeypatch, capsys, "--predict", pngs / "000.png", *CPU)
+    assert code == 0, err
+    assert out.splitlines()[-1] == "1 file predicted -> runs/default/predictions.csv"
+
+
+def test_the_forks_tasks_say_what_a_prediction_is(tmp_path, monkeypatch, capsys):
+    """Regression gives the numbers, multi-label the tags above its threshold; another task's checkpoint
+    is refused."""
+    from forks import multilabel, regression
+
+    add_entries(monkeypatch, "regression_data", "multilabel_data")
+    (tmp_path / "pngs").mkdir()
+    for i in range(3):
+        square = Image.new("L", (8, 8), 20)
+        square.paste(220, (i, 2 * i, i + 3, 2 * i + 3))
+        square.save(tmp_path / "pngs" / f"{i}.png")
+    for task, dataset in ((regression, "square_positions"), (multilabel, "digit_facts")):
+        out = tmp_path / task.NAME
+        argv = ["--dataset", dataset, "--synthetic-size", "128", "--width", "8", "--lr", "0.02"]
+        train.train(parse_config([*CPU, *argv, "--epochs", "1", "--batch-size", "32", "--out-dir", str(out)]),
+                    task=task)
+        given = parse_given(["--predict", str(tmp_path / "pngs"), "--checkpoint", str(out / "best.pt"), *CPU])
+        train.predict(Config(**given), given, task)
+        header, *rows = rows_of(out / "predictions.csv")
+        assert len(rows) == 3
+        if task is regression:
+            assert header == ["file", "row", "column"]
+            assert all(-5 < float(value) < 5 for row in rows for value in row[1:])
+        else:
+            assert header == ["file", "tags", "even", "above_4", "prime"]
+            for row in rows:
+                tags = [name for name, p in zip(header[2:], row[2:], strict=True) if float(p) > 0.5]
+                assert row[1].split() == tags
+        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "pngs", "--checkpoint",
+                                  out / "best.pt", *CPU))
+        assert f"trained for the task {task.NAME!r}, and task.py is 'classification'" in line
+
+
+def edited(run: Path, folder: Path, name: str, change) -> Path:
+    """A copy of run's best.pt changed by `change(ckpt)` (or replaced by what it returns)."""
+    ckpt = torch.load(run / "best.pt", weights_only=True)
+    torch.save(change(ckpt) or ckpt, folder / name)
+    return folder / name
+
+
+BAD = {  # each case, and what its one line says
+    "no such path": "nowhere: no such file or folder",
+    "no images": "empty: holds no image files (.jpg",
+    "not an image": "a.txt: is not an image file",
+    "an unreadable image": "--predict: cannot read image",
+    "no checkpoint": "none.pt: no such file; train first",
+    "not a checkpoint": "a.txt is truncated or corrupt",
+    "an older checkpoint": "records no image preprocessing: it predates --predict",
+    "a plain state_dict": "records no image preprocessing: it predates --predict",
+    "another task's": "trained for the task 'regression', and task.py is 'classification'",
+    "another shape": "does not fit the model built here (0.0.weight [8, 1, 3, 3] there, [16, 1, 3, 3] here",
+    "top-k 0": "top_k must be a number > 0",
+    "tta unknown": "unknown tta 'flop'",
+    "with --evaluate": "--evaluate and --predict are two modes",
+}
+
+
+def bad_arguments(case: str, tmp: Path, pngs: Path, run: Path) -> list:
+    """--predict's path in each BAD case, and the arguments after it."""
+    best = run / "best.pt"
+    (tmp / "a.txt").write_text("hi"), (tmp / "bad.png").write_text("hi"), (tmp / "empty").mkdir()
+    paths = {"no such path": tmp / "nowhere", "no images": tmp / "empty", "not an image": tmp / "a.txt",
+             "an unreadable image": tmp / "bad.png"}
+    checkpoints = {
+        "no checkpoint": tmp / "none.pt", "not a checkpoint": tmp / "a.txt",
+        "an older checkpoint": edited(run, tmp, "old.pt", lambda c: c.pop("inputs") and None),
+        "a plain state_dict": edited(run, tmp, "plain.pt", lambda c: c["model"]),
+        "another task's": edited(run, tmp, "task.pt", lambda c: c.update(task="regression")),
+        "another shape": edited(run, tmp, "wide.pt", lambda c: c["config"].update(width=16))}
+    more = {"top-k 0": ["--top-k", "0"], "tta unknown": ["--tta", "flop"],
+            "with --evaluate": ["--evaluate", best]}
+    return [paths.get(case, pngs), "--checkpoint", checkpoints.get(case, best), *more.get(case, [])]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_each_bad_input_is_one_line(case, digits_run, tmp_path, monkeypatch, capsys):
+    run, pngs, _ = digits_run
+    argv = bad_arguments(case, tmp_path, pngs, run)
+    line = one_line(*run_main(monkeypatch, capsys, "--predict", *argv, "--out-dir", tmp_path / "out", *CPU))
+    assert BAD[case] in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_inputs_that_are_not_images_are_one_line(tmp_path, monkeypatch, capsys):
+    """A model of 1-D signals (the signal fork's): --predict reads image files, --tta flip mirrors them."""
+    add_entries(monkeypatch, "signals_data", "signals_model")
+    train.train(parse_config([*CPU, "--dataset", "waves", "--synthetic-size", "64", "--model", "conv1dnet",
+                              "--epochs", "1", "--batch-size", "32", "--out-dir", str(tmp_path / "run")]))
+    Image.new("L", (8, 8)).save(tmp_path / "x.png")
+    for tta in ("none", "flip"):
+        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "x.png", "--checkpoint",
+                                  tmp_path / "run" / "best.pt", "--tta", tta, *CPU))
+        assert "was trained on inputs that are not images (--dataset waves)" in line
