@@ -150,6 +150,8 @@ def run_python(words: list[str]) -> tuple[int, str]:
         args = [*args, "--epochs", "1"]  # a page's run, shortened; its own --epochs stays as written
     if "my_images" in args:
         args = [*args, "--image-size", "8"]  # the images' own size: at 64 px a sweep takes minutes on CPU
+    if script != "schedules.py" and "--help" not in args:
+        args = [*args, "--num-workers", "0"]  # in this process, a DataLoader's workers would outlive the run
     main = {"train.py": train.main, "lr_find.py": lambda: lr_find.main(args),
             "schedules.py": lambda: schedules.main(args)}[script]
     err = io.StringIO()
