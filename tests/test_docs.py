@@ -33,6 +33,10 @@ MARKED = {
         "tensorboard --logdir runs": "runs until stopped",
         "python -m bench.speed": "slow",
         "python -m bench.lr_find_rules": "slow",
+        "python -m bench.lr_find_rules --seeds 32": "slow",
+        "bash tests/mutation.sh": "slow",
+        "python -m bench.speed --device cpu": "slow",
+        "python -m bench.speed --device cuda": "needs a GPU",
     },
     "docs/lr_find.md": {
         "python -m bench.lr_find_rules": "slow",
