@@ -341,7 +341,7 @@ def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-# pragma: no mutate block (the preview CLI below is not in the mutation score; README, Testing)
+# pragma: no mutate block (the preview CLI below is not in the mutation score; docs/testing.md)
 def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
