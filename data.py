@@ -129,7 +129,7 @@ def csv_images(cfg: Config) -> Source:
     return _image_files(cfg, train, val, names, flip=cfg.flip)
 
 
-# The one list of dataset names: --dataset, --help, the README table and the tests read it.
+# The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
 DATASETS = {"digits": digits, "mnist": functools.partial(torchvision_set, "MNIST"),
             "fashion_mnist": functools.partial(torchvision_set, "FashionMNIST"),
             "cifar10": functools.partial(torchvision_set, "CIFAR10", pad=4, flip=True),

@@ -30,8 +30,9 @@ import torch
 # What each schedule takes from a sweep: onecycle its peak, the others the rate they start at.
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
-# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (README): started at full
-# rate, Adam-like optimizers blow up well below the sweep's bottom; even onecycle's best peak is lower.
+# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (docs/lr_find.md):
+# started at full rate, Adam-like optimizers blow up well below the sweep's bottom; even onecycle's
+# best peak is lower.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
@@ -280,7 +281,7 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
 
 
 # --- the command line -------------------------------------------------------------------------
-# pragma: no mutate start (the CLI is not in the mutation score; README, Testing)
+# pragma: no mutate start (the CLI is not in the mutation score; docs/testing.md)
 
 
 def main(argv: list[str] | None = None) -> None:

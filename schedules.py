@@ -302,8 +302,10 @@ def optimizer_step(
         scaler = clip_grad = None  # between gradient syncs: the wrapper's step() does nothing
     if clip_grad and parameters is None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    # A torch optimizer on its own, with no scaler, always steps: no hook (a cost every step) to tell.
+    plain = scaler is None and _innermost(optimizer) is optimizer
     called: list[bool] = []
-    hook = _innermost(optimizer).register_step_post_hook(lambda *_: called.append(True))
+    hook = None if plain else _innermost(optimizer).register_step_post_hook(lambda *_: called.append(True))
     try:
         if scaler is None:
             if clip_grad:
@@ -315,8 +317,9 @@ def optimizer_step(
                 torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
             scaler.step(optimizer)
     finally:
-        hook.remove()
-    stepped = bool(called) and not getattr(optimizer, "step_was_skipped", False)
+        if hook is not None:
+            hook.remove()
+    stepped = (plain or bool(called)) and not getattr(optimizer, "step_was_skipped", False)
     if scaler is not None:
         # GradScaler's own test for an optimizer that takes found_inf and skips on the device
         skips_on_device = scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -341,7 +344,7 @@ def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-# pragma: no mutate block (the preview CLI below is not in the mutation score; README, Testing)
+# pragma: no mutate block (the preview CLI below is not in the mutation score; docs/testing.md)
 def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)

@@ -57,7 +57,7 @@ MISSING_TLF = ("bench/lr_find_rules.py: torch-lr-finder is not importable (neede
                "run `pip install --no-deps torch-lr-finder`")
 
 
-# --- candidate rules the bench measured against lr_find.py's and dropped (README, "How good") ----
+# --- candidate rules the bench measured against lr_find.py's and dropped (docs/lr_find.md, "How good")
 
 
 def valley(curve: SuggestionCurve) -> float | None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation check (issue 15), outside CI; README "Testing" gives the scores and the known equivalents.
+# Mutation check (issue 15), outside CI; docs/testing.md gives the scores and the known equivalents.
 #   bash tests/mutation.sh               # all of it
 #   bash tests/mutation.sh 'schedules*'  # only these mutmut mutants (fnmatch on names), then the hand mutants
 # 1. mutmut, from a fresh mutants/ folder, over the files and tests named in pyproject's [tool.mutmut];

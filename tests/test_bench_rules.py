@@ -1,5 +1,5 @@
 """The candidate rules bench/lr_find_rules.py measures against lr_find.py's and lr_find.py dropped
-(README, "How good the suggestions are"): valley and steepest, read from lr_find's curve."""
+(docs/lr_find.md, "How good the suggestions are"): valley and steepest, read from lr_find's curve."""
 
 import numpy as np
 import pytest

@@ -203,9 +203,10 @@ def test_bad_input_is_one_line_and_touches_no_checkpoint(name, finished, tmp_pat
     assert not (tmp_path / "pwned").exists()
 
 
-def test_bad_input_count_in_readme():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert f"{len(BAD_INPUTS)} bad inputs" in readme and f"{len(FAULTS)} faults" in readme
+def test_bad_input_count_in_readme_and_docs():
+    for page in ("README.md", "docs/testing.md"):
+        text = (Path(__file__).resolve().parents[1] / page).read_text()
+        assert f"{len(BAD_INPUTS)} bad inputs" in text and f"{len(FAULTS)} faults" in text, page
 
 
 # ---------------------------------------------------------------- faults during a run

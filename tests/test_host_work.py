@@ -1,7 +1,7 @@
 """Ops per optimizer step that train.py's loop runs beyond a bare loop (lr_find's: tests/test_lr_find.py).
 
 On a GPU each aten op is a kernel launch, a few microseconds of host time, and a small model's step
-is launch-bound (README, Speed): whatever the loop runs beside forward, backward and the optimizer
+is launch-bound (docs/speed.md): whatever the loop runs beside forward, backward and the optimizer
 step shows there, even where CPU compute hides it. A TorchDispatchMode counts every aten op; each
 figure is the marginal count between N and 3N optimizer steps (as in tests/test_sync.py), so setup,
 the first step's picture, the one log point, evaluation and saving cancel. The bare loop is the

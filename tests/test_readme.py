@@ -1,5 +1,5 @@
-"""The README's code for your own project runs as printed, from a folder holding only the two files
-it says to copy, and trains."""
+"""The code for your own project (docs/own_code.md, linked from the README) runs as printed, from a
+folder holding only the two files it says to copy, and trains."""
 
 import os
 import re
@@ -10,11 +10,12 @@ import sys
 import pytest
 from conftest import ROOT
 
-OWN_CODE = "## `lr_find.py` and `schedules.py` in your own code"
+OWN_CODE = ("docs/own_code.md", "# `lr_find.py` and `schedules.py` in your own code")
 
 
-def readme_python_block(heading: str) -> str:
-    section = (ROOT / "README.md").read_text().split(heading, 1)[1]
+def python_block(page: str, heading: str) -> str:
+    """The first python block under HEADING in PAGE."""
+    section = (ROOT / page).read_text().split(heading, 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -22,7 +23,7 @@ def test_own_code_example_runs_with_only_the_two_files_copied(tmp_path):
     for name in ("lr_find.py", "schedules.py"):
         shutil.copy(ROOT / name, tmp_path / name)
     check = "\nprint('accuracy', (model(inputs).argmax(1) == data.tensors[1]).float().mean().item())\n"
-    (tmp_path / "example.py").write_text(readme_python_block(OWN_CODE) + check)
+    (tmp_path / "example.py").write_text(python_block(*OWN_CODE) + check)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-E", "example.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)

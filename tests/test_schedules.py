@@ -185,6 +185,23 @@ def test_grad_scaler_skipped_steps_do_not_advance_schedule(clip):
     )
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_plain_optimizer_steps_with_no_hook_to_tell(clip, monkeypatch):
+    """Without a scaler or a wrapper the step always happens: nothing is hooked (a cost every step),
+    and the schedule still moves with each step, gradients clipped first when asked."""
+    model, opt = make_optimizer()
+    sched = build_scheduler(opt, "cosine", 10)
+    hooked = []
+    monkeypatch.setattr(type(opt), "register_step_post_hook", lambda self, hook: hooked.append(hook))
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().mul(1e3).backward()
+        assert optimizer_step(opt, sched, clip_grad=clip) is True
+        grads = [p.grad.norm() for p in model.parameters()]
+        assert clip is None or torch.linalg.vector_norm(torch.stack(grads)) <= clip * (1 + 1e-5)
+        opt.zero_grad(set_to_none=True)
+    assert hooked == [] and sched.last_epoch == 3
+
+
 class HostReads(TorchDispatchMode):
     """Counts reads from the device (.item(), float(t), bool(t)) made while it is active."""
 
