@@ -279,8 +279,10 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
     The loops' figures are process CPU time per optimizer step, marginal between runs of `steps`
     and 3 x `steps` steps, so setup, evaluation and saving cancel: (T(3N) - T(N)) / 2N. lr_find's
     is a whole sweep of `find_iters` steps (lr_find.py's default 50), snapshot and restore
-    included, over its steps. One repeat runs them all, in reverse order every other repeat, so
-    drift within a repeat hits all alike.
+    included, over its steps. One repeat runs the four loops, in reverse order every other repeat, so
+    drift within a repeat hits all alike, then lr_find, then an untimed short bare run: whichever run
+    came right after an lr_find call ran ~5% slower (medians 0.94-0.96 with lr_find among the loops,
+    0.99 without it, on a 2-core VM), which biased the loops' ratio.
     """
     lengths = (steps, 3 * steps)
     bare, trained, found = [], [], []
@@ -288,10 +290,11 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
         for run in (host_bare, host_train, host_lr_find):  # first use in the process: imports, caches
             run(device_name, device, 10, str(Path(tmp) / f"warm-{run.__name__}"))
         for r in range(repeats):
-            order = [(host_bare, steps), (host_train, steps), (host_lr_find, find_iters),
-                     (host_bare, 3 * steps), (host_train, 3 * steps)]
+            order = [(host_bare, steps), (host_train, steps), (host_bare, 3 * steps), (host_train, 3 * steps)]
             seconds = {(run, n): run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}-{n}"))
                        for run, n in (order if r % 2 == 0 else order[::-1])}
+            seconds[host_lr_find, find_iters] = host_lr_find(device_name, device, find_iters, f"{tmp}/{r}")
+            host_bare(device_name, device, 10, f"{tmp}/{r}-settle")  # untimed: see above
             bare.append((seconds[host_bare, 3 * steps] - seconds[host_bare, steps]) / (2 * steps))
             trained.append((seconds[host_train, 3 * steps] - seconds[host_train, steps]) / (2 * steps))
             found.append(seconds[host_lr_find, find_iters] / find_iters)
