@@ -202,16 +202,17 @@ class Batches:
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
-        self.pixels = self.denormalize if image else None  # what pictures show of a batch: images in [0, 1]
         if image is not None:
             self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
             self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
 
+    @property
+    def pixels(self):  # what pictures show of a batch: images in [0, 1]. Not kept on self: that cycle left
+        return self.denormalize if self.image else None  # DataLoader workers to the collector, 5 s each
+
     def __len__(self) -> int:
-        n = self.num_examples
-        if self.train:
-            return n // self.world_size // self.batch_size
-        return math.ceil(len(range(self.rank, n, self.world_size)) / self.batch_size)
+        n, bs, ranks = self.num_examples, self.batch_size, self.world_size
+        return n // ranks // bs if self.train else math.ceil(len(range(self.rank, n, ranks)) / bs)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.epoch(0)
@@ -248,8 +249,7 @@ class Batches:
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=self.batch_size, sampler=self._order, num_workers=self.num_workers,
                 pin_memory=self.device.type == "cuda", persistent_workers=self.num_workers > 0,
-                worker_init_fn=self.worker_init,
-                generator=torch.Generator().manual_seed(self.seed))
+                worker_init_fn=self.worker_init, generator=torch.Generator().manual_seed(self.seed))
         self._order[:] = indices
         return iter(self._loader)
 
