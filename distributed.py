@@ -248,15 +248,15 @@ def tell_torchrun(message: str) -> None:
                                                                      "timestamp": stamp}}}, f)
 
 
-def failure_line(err: BaseException, kept: str) -> tuple[str, int]:
-    """The one line and exit code for a signal (`kept`: what is as it was) or a known failure of torch's;
-    any other error raises again."""
+def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:
+    """The one line and exit code for a signal (`after` its name: where, what is as it was, what to do)
+    or a known failure of torch's (`status`); any other error raises again."""
     if isinstance(err, KeyboardInterrupt):
         signum = getattr(err, "signum", signal.SIGINT)
-        return f"interrupted by {signal.Signals(signum).name}; {kept}: run the command again", 128 + signum
+        return f"interrupted by {signal.Signals(signum).name}{after}", 128 + signum
     if (line := known_failure(err)) is None:
         raise err
-    return line, 1
+    return line, status
 
 
 def known_failure(err: BaseException) -> str | None:

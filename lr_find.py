@@ -251,9 +251,9 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
 
 
 def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
-    """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each schedule's
-    suggestion marked, the chosen one red. Draws on ``ax`` or a new matplotlib Figure (no pyplot
-    state or GUI backend involved) and returns the Figure: ``.savefig("lr.png")`` writes a PNG."""
+    """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each schedule's suggestion
+    marked, the chosen one red. Draws on ``ax`` or a new matplotlib Figure (no pyplot state or GUI backend
+    involved) and returns the Figure: ``.savefig("lr.png")`` writes a PNG."""
     from matplotlib.figure import Figure
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
@@ -313,10 +313,9 @@ def main(argv: list[str] | None = None) -> None:
             with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
                 result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
                                             progress=lambda i, lr, loss: bar.update())
-    except ValueError as err:  # a UserError, or lr_find's check of its arguments
-        exit_with_error(str(err))
-    except (KeyboardInterrupt, Exception) as err:  # a signal in any phase, or a known failure of torch's
-        exit_with_error(*distributed.failure_line(err, "lr_find wrote nothing and the model is as it was"))
+    except (KeyboardInterrupt, Exception) as err:  # a UserError or bad argument; a signal; a known failure
+        exit_with_error(*(str(err), 2) if isinstance(err, ValueError) else distributed.failure_line(
+            err, "; lr_find wrote nothing and the model is as it was: run the command again", status=1))
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}{'; rank 0 runs it' * (world_size > 1)}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:

@@ -15,7 +15,6 @@ import functools
 import math
 import os
 import re
-import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -428,15 +427,12 @@ def main() -> None:
             distributed.tell_torchrun(f"error: {err}")
             configs.exit_with_error(str(err), err.code)
         raise SystemExit(err.code) from None
-    except Exception as err:  # torch's long reports of a few known failures: one line each
-        if (line := distributed.known_failure(err)) is None or os.environ.get("RANK", "0") != "0":
-            raise
-        configs.exit_with_error(line)
-    except KeyboardInterrupt as err:  # outside the loop: start-up, --lr find's sweep, the summary
-        signum = getattr(err, "signum", signal.SIGINT)
-        configs.exit_with_error(f"interrupted by {signal.Signals(signum).name} outside the training loop; "
-                                "every checkpoint is as it was: run the command again, or continue with "
-                                "--resume", 128 + signum)
+    except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
+        if os.environ.get("RANK", "0") != "0" and not isinstance(err, KeyboardInterrupt):
+            raise  # torch's long report, from rank 0 alone
+        configs.exit_with_error(*distributed.failure_line(
+            err, " outside the training loop; every checkpoint is as it was: run the command again, or "
+            "continue with --resume"))
     finally:
         distributed.release_all()
         distributed.cleanup()

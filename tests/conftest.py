@@ -5,9 +5,11 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.error
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +133,16 @@ def crash_at_step(monkeypatch, step: int):
             yield
     finally:
         monkeypatch.setattr(train, "optimizer_step", real)
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch):
+    """$TORCH_HOME in a temporary folder, and no network: a download attempt fails as offline."""
+    home = tmp_path / "torch"
+    monkeypatch.setenv("TORCH_HOME", str(home))
+
+    def offline(url, dst, *args, **kwargs):
+        raise urllib.error.URLError("no network here")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    return home

@@ -1,7 +1,6 @@
 """Fine-tuning: --pretrained (offline, and from a local weights file), --init-from, --evaluate."""
 
 import json
-import urllib.error
 
 import pytest
 import torch
@@ -32,19 +31,6 @@ def finished(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished")
     train.train(parse_config([*TINY, "--epochs", "2", "--out-dir", str(out)]))
     return out
-
-
-@pytest.fixture
-def torch_home(tmp_path, monkeypatch):
-    """$TORCH_HOME in a temporary folder, and no network: a download attempt fails as offline."""
-    home = tmp_path / "torch"
-    monkeypatch.setenv("TORCH_HOME", str(home))
-
-    def offline(url, dst, *args, **kwargs):
-        raise urllib.error.URLError("no network here")
-
-    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    return home
 
 
 def test_pretrained_offline_is_one_line_naming_the_file_and_the_folder(torch_home, tmp_path,

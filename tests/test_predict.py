@@ -5,7 +5,6 @@ predictions.csv; every bad input one line."""
 import csv
 import json
 import shutil
-import urllib.error
 from pathlib import Path
 
 import pytest
@@ -153,19 +152,6 @@ def test_each_model_gets_its_own_channels(folder_run, tmp_path):
     mean, std = torch.tensor(inputs["mean"]), torch.tensor(inputs["std"])
     expected = (torch.tensor(pixels) / 255 - mean) / std
     assert torch.allclose(x[:, :, 5, 5], expected, atol=1e-5)
-
-
-@pytest.fixture
-def torch_home(tmp_path, monkeypatch):
-    """$TORCH_HOME in a temporary folder, and no network: a download attempt fails as offline."""
-    home = tmp_path / "torch"
-    monkeypatch.setenv("TORCH_HOME", str(home))
-
-    def offline(url, dst, *args, **kwargs):
-        raise urllib.error.URLError("no network here")
-
-    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    return home
 
 
 def test_a_pretrained_model_predicts_with_its_own_transforms(torch_home, tmp_path, monkeypatch, capsys):
