@@ -28,7 +28,7 @@ from torch import nn
 
 from configs import Config, UserError
 from configs.resolve import check_resumable, resumed_config
-from distributed import lock_out_dir
+from distributed import lock_out_dir, release_all
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
@@ -379,10 +379,14 @@ def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
     overwrite, and no other live run. This process then owns the folder (distributed.lock_out_dir) and
     removes the temporary files that a save killed midway left there."""
     check_writable_dir(out_dir)
+    lock_out_dir(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
     last = out_dir / "last.pt"
-    if resumed_from is None or resumed_from.resolve() != last.resolve():
-        refuse_unfinished_run(last, resumed_from)
-    lock_out_dir(out_dir)
+    try:
+        if resumed_from is None or resumed_from.resolve() != last.resolve():
+            refuse_unfinished_run(last, resumed_from)
+    except UserError:
+        release_all(out_dir / ".lock")
+        raise
     for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
         if not tmp.name.endswith(f".{os.getpid()}.tmp"):
             tmp.unlink(missing_ok=True)

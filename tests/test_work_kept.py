@@ -56,7 +56,7 @@ def test_resume_into_another_unfinished_run_is_refused(tmp_path, monkeypatch, ca
     line = one_line(code, err)
     assert f"{tmp_path / 'b' / 'last.pt'} holds an unfinished run (step 3 of 12)" in line
     assert f"resuming {tmp_path / 'a' / 'last.pt'} there would overwrite" in line
-    assert fingerprint(tmp_path / "b") == kept
+    assert fingerprint(tmp_path / "b") == kept and not (tmp_path / "b" / ".lock").exists()
     code, out, err = run_main(monkeypatch, capsys, "--resume", tmp_path / "a" / "last.pt", "--out-dir",
                               tmp_path / "c")
     assert code == 0 and json.loads((tmp_path / "c" / "summary.json").read_text())["steps"] == 12
@@ -64,10 +64,12 @@ def test_resume_into_another_unfinished_run_is_refused(tmp_path, monkeypatch, ca
 
 def test_a_second_run_in_the_folder_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "train.py", *TINY, "--epochs", "500", "--out-dir", str(out)],
+    first = subprocess.Popen([sys.executable, "train.py", *TINY, "--epochs", "500", "--save-every", "2",
+                              "--out-dir", str(out)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (out / ".lock").exists() and time.monotonic() < deadline:
+    # its last.pt of an unfinished run is there as well: the live run's lock is what the refusal names
+    while not (out / "last.pt").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     second = run_script("train.py", *TINY, "--epochs", "1", "--out-dir", str(out))
     assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
