@@ -48,28 +48,32 @@ class TensorBoard:
 
     def scalars(self, curves: dict[str, list[tuple[int, float]]]) -> None:
         """(step, value) points by tag: the loop gathers them, and writes them at log points, here in
-        the loop's thread (~8 us a point): the writer's thread would trade the GIL with the loop for
-        each point (~40 us of CPU, more beside a busy loop). Where TensorBoard's writer is not as
-        expected, each goes through add_scalar."""
+        the loop's thread, in one file write (~10 us a point; 18 with a write each): the writer's
+        thread would trade the GIL with the loop for each point (~40 us of CPU, more beside a busy
+        loop). Where TensorBoard's writer is not as expected, each goes through add_scalar."""
         if not self.writer:
             return
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
         queue = getattr(getattr(self.writer.file_writer, "event_writer", None), "_async_writer", None)
-        records, now = getattr(queue, "_writer", None), time.time()
+        file, now = getattr(getattr(queue, "_writer", None), "_writer", None), time.time()
         with self._errors():
-            if records is None or not hasattr(queue, "_lock"):
+            if file is None or not hasattr(queue, "_lock"):
                 for tag, points in curves.items():
                     for step, value in points:
                         self.writer.add_scalar(tag, value, step)
                 return
+            buffer = io.BytesIO()  # all points framed, then one write: the file opens once, not per point
+            framed = RecordWriter(buffer)
+            for tag, points in curves.items():
+                for step, value in points:
+                    point = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+                    framed.write(Event(wall_time=now, step=step, summary=point).SerializeToString())
             queue.flush()  # what was queued before goes first; then nothing else writes meanwhile
             with queue._lock:
-                for tag, points in curves.items():
-                    for step, value in points:
-                        point = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-                        records.write(Event(wall_time=now, step=step, summary=point).SerializeToString())
+                file.write(buffer.getvalue())
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
