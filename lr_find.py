@@ -72,10 +72,11 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
+    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
     def loss_of(batch: Any) -> torch.Tensor:
         batch = _to_device(batch, device)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
             return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
 
     restore, moved = _snapshot(model, optimizer, scaler)
