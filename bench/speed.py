@@ -36,6 +36,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import distributed
 import models
@@ -236,18 +237,31 @@ def cpu_seconds(run: Callable[[], object], device: torch.device) -> float:
     return time.process_time() - start
 
 
-def host_bare(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
-    """CPU seconds of setup and one epoch of the bare loop on the emulation."""
-    def run() -> None:
-        cfg = host_config(device_name, steps, out_dir)
-        train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
-        bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(0), cfg)
+def stepping_cpu(run: Callable[[], object]) -> float:
+    """Process CPU seconds (all threads: TensorBoard's writer included) per optimizer step of run(),
+    from its first step to its last: the setup before and the evaluation and saves after are not in
+    it, the log points and writes between are. The steps are seen through torch's global step hook,
+    the same instrument for both loops."""
+    marks = []
+    hook = register_optimizer_step_pre_hook(
+        lambda *_: marks.append(time.process_time()))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return (marks[-1] - marks[0]) / (len(marks) - 1)
 
-    return cpu_seconds(run, device)
+
+def host_bare(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """CPU seconds a step of the bare loop on the emulation, `steps` steps."""
+    cfg = host_config(device_name, steps, out_dir)
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    batches = train_batches.epoch(0)
+    return stepping_cpu(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, batches, cfg))
 
 
 def host_train(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
-    """CPU seconds of a whole train.train run on the emulation: setup, the loop, evaluation, saves."""
+    """CPU seconds a step of a whole train.train run of `steps` steps on the emulation."""
     import train
 
     def run() -> None:
@@ -255,7 +269,16 @@ def host_train(device_name: str, device: torch.device, steps: int, out_dir: str)
             summary = train.train(host_config(device_name, steps, out_dir))
         assert summary["steps"] == steps, summary["steps"]
 
-    return cpu_seconds(run, device)
+    return stepping_cpu(run)
+
+
+def host_bare_steps(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """CPU seconds of `steps` bare steps on a freshly built setup (setup not timed): lr_find's yardstick,
+    which sweeps a fresh model the same way, its first steps' allocations included in both."""
+    cfg = host_config(device_name, steps, out_dir)
+    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
+    return cpu_seconds(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(0),
+                                          cfg), device)
 
 
 def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
@@ -276,35 +299,37 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
                        find_iters: int) -> dict:
     """train.py's loop and an lr_find step against the bare loop where host work shows (host_config).
 
-    The loops' figures are process CPU time per optimizer step, marginal between runs of `steps`
-    and 3 x `steps` steps, so setup, evaluation and saving cancel: (T(3N) - T(N)) / 2N. lr_find's
-    is a whole sweep of `find_iters` steps (lr_find.py's default 50), snapshot and restore
-    included, over its steps. One repeat runs the four loops, in reverse order every other repeat, so
-    drift within a repeat hits all alike, then lr_find, then an untimed short bare run: whichever run
-    came right after an lr_find call ran ~5% slower (medians 0.94-0.96 with lr_find among the loops,
-    0.99 without it, on a 2-core VM), which biased the loops' ratio.
+    The loops' figures are process CPU time per optimizer step from the first step of a `steps`-step
+    run to its last (stepping_cpu): every log point, TensorBoard write and save between is in it,
+    setup and evaluation are not. lr_find's is a whole sweep of `find_iters` steps (lr_find.py's
+    default 50), snapshot and restore included, against as many bare steps from the same fresh setup
+    (host_bare_steps), so both pay the first steps' allocations. One repeat runs the two loops, then
+    lr_find and its yardstick, each pair's order alternating from repeat to repeat so drift hits both
+    alike, then an untimed short bare run: whichever run came right after an lr_find call ran ~5%
+    slower on a 2-core VM.
     """
-    lengths = (steps, 3 * steps)
-    bare, trained, found = [], [], []
+    bare, trained, found, fresh = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
-        for run in (host_bare, host_train, host_lr_find):  # first use in the process: imports, caches
+        for run in (host_bare, host_train, host_lr_find, host_bare_steps):  # first use: imports, caches
             run(device_name, device, 10, str(Path(tmp) / f"warm-{run.__name__}"))
         for r in range(repeats):
-            order = [(host_bare, steps), (host_train, steps), (host_bare, 3 * steps), (host_train, 3 * steps)]
-            seconds = {(run, n): run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}-{n}"))
-                       for run, n in (order if r % 2 == 0 else order[::-1])}
-            seconds[host_lr_find, find_iters] = host_lr_find(device_name, device, find_iters, f"{tmp}/{r}")
+            seconds = {}
+            for pair, n in (((host_bare, host_train), steps), ((host_lr_find, host_bare_steps), find_iters)):
+                seconds.update({run: run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}"))
+                                for run in (pair if r % 2 == 0 else pair[::-1])})
             host_bare(device_name, device, 10, f"{tmp}/{r}-settle")  # untimed: see above
-            bare.append((seconds[host_bare, 3 * steps] - seconds[host_bare, steps]) / (2 * steps))
-            trained.append((seconds[host_train, 3 * steps] - seconds[host_train, steps]) / (2 * steps))
-            found.append(seconds[host_lr_find, find_iters] / find_iters)
+            bare.append(seconds[host_bare])
+            trained.append(seconds[host_train])
+            found.append(seconds[host_lr_find] / find_iters)
+            fresh.append(seconds[host_bare_steps] / find_iters)
     us = 1e6
     return {"host_loop_vs_bare": spread([b / t for b, t in zip(bare, trained, strict=True)]),
-            "host_lr_find_overhead": spread([f / b for f, b in zip(found, bare, strict=True)]),
+            "host_lr_find_overhead": spread([f / b for f, b in zip(found, fresh, strict=True)]),
             "bare_us_per_step": spread([v * us for v in bare]),
             "train_us_per_step": spread([v * us for v in trained]),
             "lr_find_us_per_step": spread([v * us for v in found]),
-            "steps": list(lengths), "find_iters": find_iters}
+            "fresh_bare_us_per_step": spread([v * us for v in fresh]),
+            "steps": steps, "find_iters": find_iters}
 
 
 class PerSampleSet(torch.utils.data.Dataset):
@@ -417,6 +442,8 @@ def table(result: dict) -> str:
         row("  train.py CPU us/step", host["train_us_per_step"], ",.0f"),
         row(f"  lr_find CPU us/step ({host['find_iters']} iters)", host["lr_find_us_per_step"], ",.0f",
             "the whole call over its steps"),
+        row(f"  bare CPU us/step ({host['find_iters']}, fresh)", host["fresh_bare_us_per_step"], ",.0f",
+            "lr_find's yardstick"),
         row("  device-resident loader img/s", loader["device_images_per_second"], ",.0f"),
         row("  DataLoader (2 workers) img/s", loader["dataloader_images_per_second"], ",.0f"),
         row("images/s resnet_small digits", result["details"]["default"], ",.0f",
@@ -430,8 +457,8 @@ def table(result: dict) -> str:
         f"loop: digits, {loop['epochs']} epochs, epochs 2+ timed as train.py does; loader: "
         f"{loader['images']:,} random uint8 3x32x32, batch {loader['batch_size']}, both timed from the "
         "first batch (worker start-up excluded)",
-        f"host: resnet_small width 1, 8 px, batch 8, process CPU time per step, marginal between "
-        f"{host['steps'][0]} and {host['steps'][1]} steps",
+        f"host: resnet_small width 1, 8 px, batch 8, process CPU time per step from the first step "
+        f"to the last of {host['steps']}",
     ]
     return "\n".join(lines)
 
@@ -465,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device, device, epochs=2 if quick else 8, repeats=args.repeats,
             lr_find_iters=20 if quick else 50))
         host = phase("host_bound", lambda: measure_host_bound(
-            args.device, device, steps=20 if quick else 100, repeats=args.repeats, find_iters=50))
+            args.device, device, steps=20 if quick else 300, repeats=args.repeats, find_iters=50))
     default = phase("default_model", lambda: measure_default_model(
         args.device, device, epochs=3 if quick else 4, repeats=1 if quick else 3))
     loader = phase("loader", lambda: measure_loader(

@@ -61,13 +61,15 @@ def test_quick_bench_writes_all_keys(tmp_path, script):
     assert report["loader_speedup_runs"] == pytest.approx(
         [d / w for d, w in zip(device_rates, worker_rates, strict=True)])
     # The host-bound figures: bare loop over train.py's loop, lr_find's step over a bare step, each
-    # from the process CPU time per step beside it (marginal over two lengths; lr_find's whole call).
+    # from the process CPU time per step beside it (the loops: first step to last; lr_find's
+    # whole call against as many bare steps from the same fresh setup).
     host_bare, host_train = host["bare_us_per_step"]["runs"], host["train_us_per_step"]["runs"]
     assert report["host_loop_vs_bare_runs"] == pytest.approx(
         [b / t for b, t in zip(host_bare, host_train, strict=True)])
     assert report["host_lr_find_overhead_runs"] == pytest.approx(
-        [f / b for f, b in zip(host["lr_find_us_per_step"]["runs"], host_bare, strict=True)])
-    assert host["steps"] == [20, 60] and host["find_iters"] == 50
+        [f / b for f, b in zip(host["lr_find_us_per_step"]["runs"], host["fresh_bare_us_per_step"]["runs"],
+                               strict=True)])
+    assert host["steps"] == 20 and host["find_iters"] == 50
     assert all(100 < v < 100_000 for v in host_bare + host_train)  # microseconds of one thread's step
     # Steps/s are the images/s over the batch; the CUDA-graphs figure is CUDA's alone.
     assert report["steps_per_second"] == {"bare": loop["bare_steps_per_second"]["median"],
