@@ -30,9 +30,8 @@ import torch
 # What each schedule takes from a sweep: onecycle its peak, the others the rate they start at.
 SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
 _SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
-# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (docs/lr_find.md):
-# started at full rate, Adam-like optimizers blow up well below the sweep's bottom; even onecycle's
-# best peak is lower.
+# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (docs/lr_find.md): started
+# at full rate, Adam-like optimizers blow up well below the sweep's bottom; onecycle's best peak is lower too.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         from checkpoints import claim_out_dir
         from configs import command_line, exit_with_error, parse_config
         from data import build_loaders
-        from models import amp_setup, build_model
+        from models import amp_setup, build_model, check_graphs
     except ImportError as err:
         raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
                          f"files ({err.name} is missing); `from lr_find import lr_find` works alone") from err
@@ -311,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
             batches, _, info = build_loaders(cfg, device)
             model = build_model(cfg, info.input_shape[0], len(info.names), device)
             amp_dtype, scaler = amp_setup(device, cfg.amp)
+            check_graphs(cfg, device, amp_dtype, world_size)  # train.py's next run would refuse it
             with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
                 result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
                                             progress=lambda i, lr, loss: bar.update())

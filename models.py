@@ -172,7 +172,7 @@ def build_model(cfg: Config, channels: int, num_outputs: int,
         state = load_checkpoint(cfg.init_from)
         saved = state.get("config")  # ours says what it was trained as
         hint = f"it holds {saved.get('model')} width {saved.get('width')}" if isinstance(saved, dict) else ""
-        head = load_weights(model, weights_of(state), num_outputs, f"--init-from {cfg.init_from}", hint)
+        head = load_weights(model, state, num_outputs, f"--init-from {cfg.init_from}", hint)
         _say(f"weights from {cfg.init_from}" + (f"; {head}" if head else ""))
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory)
@@ -193,12 +193,13 @@ def weights_of(state: dict) -> dict:
     return out
 
 
-def load_weights(model: nn.Module, weights: dict, num_outputs: int, source: str,
+def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,
                  hint: str = "", new_head: bool = True) -> str:
-    """Copy `weights` into `model`. A classifier head for another number of classes (tensors whose
-    first dimension alone differs, num_outputs here) keeps its fresh initialization when
-    `new_head`; any other difference is one UserError line. Returns what happened to the head."""
-    own = model.state_dict()
+    """Copy the weights in `state` (a checkpoint or a state_dict: weights_of) into `model`. A classifier
+    head for another number of classes (tensors whose first dimension alone differs, num_outputs
+    here) keeps its fresh initialization when `new_head`; any other difference is one UserError
+    line. Returns what happened to the head."""
+    own, weights = model.state_dict(), weights_of(state)
     head = [k for k in own.keys() & weights.keys() if isinstance(weights[k], torch.Tensor)
             and own[k].shape != weights[k].shape and own[k].shape[0] == num_outputs
             and own[k].shape[1:] == weights[k].shape[1:]]
@@ -367,13 +368,10 @@ def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True
     return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
-def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None,
-             world_size: int, batches) -> nn.Module:
-    """What train.py's loop calls: the model, torch.compile'd under --compile, or under --cuda-graphs with
-    its training forward and backward captured once as CUDA graphs for the batches' static shape (the
-    optimizer and schedule stay eager; in eval mode it runs eagerly, so evaluation does)."""
+def check_graphs(cfg: Config, device: torch.device, amp_dtype: torch.dtype | None, world_size: int) -> None:
+    """--cuda-graphs where it cannot run is one line, said before any work (a sweep for --lr find)."""
     if not cfg.cuda_graphs:
-        return torch.compile(model) if cfg.compile else model
+        return
     why = ("--compile captures graphs of its own (mode='reduce-overhead'); pass one of the two" if cfg.compile
            else "fp16's GradScaler is not supported with graphs yet; use --amp bf16 or --amp off"
            if amp_dtype == torch.float16 else "DDP's gradient all-reduce is not captured; train on one GPU"
@@ -381,6 +379,16 @@ def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: tor
            if device.type != "cuda" else None)
     if why:
         raise UserError(f"--cuda-graphs: {why}")
+
+
+def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None,
+             world_size: int, batches) -> nn.Module:
+    """What train.py's loop calls: the model, torch.compile'd under --compile, or under --cuda-graphs with
+    its training forward and backward captured once as CUDA graphs for the batches' static shape (the
+    optimizer and schedule stay eager; in eval mode it runs eagerly, so evaluation does)."""
+    if not cfg.cuda_graphs:
+        return torch.compile(model) if cfg.compile else model
+    check_graphs(cfg, device, amp_dtype, world_size)
     sample = next(iter(batches))[0].clone()  # the training batches' shape, dtype and memory format
     buffers = [b.clone() for b in model.buffers()]  # capture's warm-up passes move BatchNorm's statistics
     with autocast(device, amp_dtype, cache=False):

@@ -33,7 +33,7 @@ import task as default_task
 from configs import Config, UserError, parse_given, resolve
 from data import UnreadableImage, build_loaders, prediction_batches
 from distributed import continue_command, stop_if_signalled
-from models import amp_setup, autocast, build_model, build_optimizer, load_weights, runnable, weights_of
+from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 
@@ -82,6 +82,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     amp_dtype, scaler = amp_setup(device, cfg.amp)
+    check_graphs(cfg, device, amp_dtype, world_size)  # before --lr find's sweep, on every rank
     criterion = functools.partial(task.loss, cfg=cfg)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
         lr = find_lr(cfg, task, model, train_batches, amp_dtype, scaler, device)
@@ -367,7 +368,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
-    load_weights(model, weights_of(ckpt), len(info.names), f"--evaluate {path}", new_head=False)
+    load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
     val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     pictures = task.pictures(val, info.names, None)
@@ -388,7 +389,7 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
     device, names, inputs = distributed.pick_device(cfg.device), ckpt["data"]["names"], ckpt["inputs"]
     batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), inputs, device)
     model = build_model(cfg, inputs["channels"], len(names), device).eval()
-    load_weights(model, weights_of(ckpt), len(names), f"--checkpoint {path}", new_head=False)
+    load_weights(model, ckpt, len(names), f"--checkpoint {path}", new_head=False)
     amp_dtype, outputs = amp_setup(device, cfg.amp)[0], []
     try:
         for images, _ in tqdm(batches.epoch(0), total=len(batches), desc="predict", leave=False,

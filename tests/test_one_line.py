@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, fingerprint, run_main
+from conftest import ROOT, fingerprint, run_main, run_script
 
 import checkpoints
 import task
@@ -114,6 +114,21 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(flags, shown, tmp_path, m
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--cuda-graphs", *flags, "--out-dir", tmp_path)
     assert shown in one_line(code, out, err)
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_cuda_graphs_are_refused_before_a_sweep(tmp_path, monkeypatch, capsys):
+    """--lr find and lr_find.py would sweep first, then the run would refuse the flag: both refuse it
+    before the sweep starts, and write nothing."""
+    import lr_find
+
+    monkeypatch.setattr(lr_find, "lr_find", lambda *args, **kwargs: pytest.fail("swept"))  # train.py's
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--cuda-graphs", "--lr", "find", "--out-dir",
+                              tmp_path / "train")
+    assert "--cuda-graphs: they need a CUDA device, and this run is on cpu" in one_line(code, out, err)
+    swept = run_script("lr_find.py", *TINY, "--cuda-graphs", "--out-dir", str(tmp_path / "sweep"))
+    assert swept.returncode == 2 and swept.stderr.count("\n") == 1, swept.stderr
+    assert "--cuda-graphs: they need a CUDA device, and this run is on cpu" in swept.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
 def test_cuda_graphs_are_refused_under_ddp():

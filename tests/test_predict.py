@@ -15,7 +15,7 @@ from PIL import Image
 import data
 import train
 from configs import Config, parse_config, parse_given, resolve
-from models import build_model, load_weights, weights_of
+from models import build_model, load_weights
 
 CPU = ["--device", "cpu", "--num-workers", "0"]
 SQUEEZENET = "squeezenet1_1-b8a52dc0.pth"  # torchvision's default squeezenet1_1 weights file
@@ -98,7 +98,7 @@ def test_a_digits_model_predicts_its_val_images_as_evaluate_scores_them(digits_r
     cfg = resolve.evaluated_config(Config(evaluate=str(run / "best.pt")), {"device": "cpu"}, ckpt["config"])
     _, val, info = data.build_loaders(cfg, torch.device("cpu"))
     model = build_model(cfg, 1, 10).eval()
-    load_weights(model, weights_of(ckpt), 10, "test", new_head=False)
+    load_weights(model, ckpt, 10, "test", new_head=False)
     with torch.no_grad():
         chances = torch.cat([model(x) for x, _ in val.epoch(0)]).softmax(1)
     for i, row in enumerate(chances.tolist()):
