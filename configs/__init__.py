@@ -197,13 +197,9 @@ def _flag(name: str) -> str:
 
 def _convert(name: str, raw):
     """Turn a TOML value or a command-line string into the field's type."""
-    default = _FIELDS[name].default
-    if name == "lr":
-        if isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
-            return raw.strip().lower()
-        kind = float
-    else:
-        kind = type(default)
+    if name == "lr" and isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
+        return raw.strip().lower()
+    kind = float if name == "lr" else type(_FIELDS[name].default)
     if kind is bool:
         if isinstance(raw, bool):
             return raw
