@@ -85,8 +85,7 @@ def capture_rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")  # touched only when the caller already imported it
-    if np is not None:
+    if (np := sys.modules.get("numpy")) is not None:  # touched only when the caller already imported it
         name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
                           float(cached))
@@ -166,9 +165,10 @@ def write_error(path: str | Path, err: OSError, size: int | None = None,
     facts = ([f"needs about {_size(size)}"] if size is not None else []) + (
         [f"{_size(free)} free"] if free is not None else [])
     detail = f" ({', '.join(facts)})" if facts else ""
+    reason = err.strerror or str(err) or type(err).__name__
     fix = FIXES.get(err.errno, "fix its permissions")
-    return UserError(f"cannot write {label or path}: {_reason(err)}{detail}; {fix} or pick "
-                     "another --out-dir")
+    return UserError(f"cannot write {label or path}: {reason[:1].lower()}{reason[1:]}{detail}; {fix} "
+                     "or pick another --out-dir")
 
 
 def _write_atomic(path: Path, write: Callable, size: Callable[[], int]) -> None:
@@ -232,11 +232,6 @@ def _size(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1000
     return f"{count:.1f} TB"
-
-
-def _reason(err: OSError) -> str:
-    text = err.strerror or str(err) or type(err).__name__
-    return text[:1].lower() + text[1:]
 
 
 @contextlib.contextmanager
