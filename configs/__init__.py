@@ -212,10 +212,8 @@ def _convert(name: str, raw):
     if isinstance(raw, bool):
         raise UserError(f"{name} expects {ARTICLES[kind]}, got {raw!r}")
     try:
-        if kind is int:
-            if isinstance(raw, float) and not raw.is_integer():
-                raise ValueError
-            return int(raw)
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
         hint = ", 'auto' or 'find'" if name == "lr" else ""
