@@ -263,8 +263,7 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
     would change what the saved state means."""
     path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
     ckpt = load_checkpoint(path)
-    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
-    if missing:
+    if missing := [key for key in CHECKPOINT_KEYS if key not in ckpt]:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint of this "
                         "version")
     if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):

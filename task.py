@@ -52,8 +52,7 @@ class Tally:
 
     def __init__(self, cfg, names: list[str], device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.names, self.keep = cfg, names, keep
-        n = len(names)
-        self.sums = torch.zeros(1 + n * n, device=device)  # the loss sum, then the confusion matrix
+        self.sums = torch.zeros(1 + len(names) ** 2, device=device)  # the loss sum, then the confusion matrix
         self.worst: tuple | None = None
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
