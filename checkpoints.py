@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib
 import io
 import json
 import os
@@ -32,12 +31,8 @@ from distributed import lock_out_dir, release_all
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, then os.replace.
-
-    A crash or kill at any moment leaves either the old file or the new one, never a torn one.
-    A failed write (disk full, no permission, read-only) raises UserError naming the path, the
-    size it needed and the free space, and leaves the old file as it was.
-    """
+    """Write atomically (a temporary file, fsync, os.replace): a crash or kill at any moment leaves either
+    the old file or the new one, never a torn one; a failed write is one line (the module's docstring)."""
 
     def write(file) -> None:
         keeper = _ErrorKeeper(file)
@@ -90,8 +85,7 @@ def capture_rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")  # touched only when the caller already imported it
-    if np is not None:
+    if (np := sys.modules.get("numpy")) is not None:  # touched only when the caller already imported it
         name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
                           float(cached))
@@ -105,10 +99,10 @@ def restore_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
     if "numpy" in state:
-        np = sys.modules.get("numpy") or importlib.import_module("numpy")
+        import numpy as np
+
         name, keys, pos, has_gauss, cached = state["numpy"]
-        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-        np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state((name, np.asarray(keys).astype(np.uint32), pos, has_gauss, cached))
 
 
 # ---------------------------------------------------------------- files written whole, and the run folder
@@ -118,11 +112,8 @@ FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
          errno.EISDIR: "move the folder in the way"}
 
 def check_writable_dir(path: str | Path, what: str = "--out-dir") -> None:
-    """Prove that `path` can be created and written, before any time is spent training.
-
-    Folders it had to create are removed again, so a run that then stops on another error
-    leaves nothing behind.
-    """
+    """Prove that `path` can be created and written, before any time is spent training. Folders it had
+    to create are removed again, so a run that then stops on another error leaves nothing behind."""
     path = Path(path)
     created = [folder for folder in (path, *path.parents) if not folder.exists()]
     try:
@@ -174,9 +165,10 @@ def write_error(path: str | Path, err: OSError, size: int | None = None,
     facts = ([f"needs about {_size(size)}"] if size is not None else []) + (
         [f"{_size(free)} free"] if free is not None else [])
     detail = f" ({', '.join(facts)})" if facts else ""
+    reason = err.strerror or str(err) or type(err).__name__
     fix = FIXES.get(err.errno, "fix its permissions")
-    return UserError(f"cannot write {label or path}: {_reason(err)}{detail}; {fix} or pick "
-                     "another --out-dir")
+    return UserError(f"cannot write {label or path}: {reason[:1].lower()}{reason[1:]}{detail}; {fix} "
+                     "or pick another --out-dir")
 
 
 def _write_atomic(path: Path, write: Callable, size: Callable[[], int]) -> None:
@@ -220,13 +212,9 @@ class _ErrorKeeper:
 
 
 def _tensor_bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+    if isinstance(value, dict | list | tuple):
+        return sum(map(_tensor_bytes, value.values() if isinstance(value, dict) else value))
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -244,11 +232,6 @@ def _size(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1000
     return f"{count:.1f} TB"
-
-
-def _reason(err: OSError) -> str:
-    text = err.strerror or str(err) or type(err).__name__
-    return text[:1].lower() + text[1:]
 
 
 @contextlib.contextmanager
@@ -280,8 +263,7 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
     would change what the saved state means."""
     path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
     ckpt = load_checkpoint(path)
-    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
-    if missing:
+    if missing := [key for key in CHECKPOINT_KEYS if key not in ckpt]:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint of this "
                         "version")
     if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):

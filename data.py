@@ -225,9 +225,7 @@ class Batches:
         order, offsets, flips = (t[: count * bs] for t in (order, offsets, flips))
         offsets, flips = offsets.to(self.device), flips.to(self.device)
         if self.on_device:
-            order = order.to(self.device)
-            raw = ((self.source[order[i * bs:(i + 1) * bs]], self.labels[order[i * bs:(i + 1) * bs]])
-                   for i in range(start, count))
+            raw = ((self.source[idx], self.labels[idx]) for idx in order.to(self.device).split(bs)[start:])
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         for i, (inputs, targets) in enumerate(raw, start):

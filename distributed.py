@@ -32,12 +32,8 @@ from configs import UserError
 def pick_device(name: str = "auto") -> torch.device:
     """cuda > mps > cpu unless forced; under torchrun each process takes its LOCAL_RANK's GPU."""
     if name == "auto":
-        if torch.cuda.is_available():
-            name = "cuda"
-        elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            name = "mps"
-        else:
-            name = "cpu"
+        mps = getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -62,15 +58,14 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-
 # ---------------------------------------------------------------- torchrun
 
 
 def setup(device_name: str) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun: one process per GPU (nccl), or gloo on CPU."""
-    if "RANK" not in os.environ:
-        return 0, 1, pick_device(device_name)
     device = pick_device(device_name)
+    if "RANK" not in os.environ:
+        return 0, 1, device
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -158,17 +153,6 @@ def cleanup() -> None:
         time.sleep(0.1)  # the GIL is free: the worker threads finish
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP's `.module` and torch.compile's `._orig_mod` wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 # ---------------------------------------------------------------- one run per folder
 
 
@@ -243,9 +227,8 @@ def tell_torchrun(message: str) -> None:
     summary then shows the line as the root cause (after its own traceback, which it always prints)."""
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
-            stamp = str(int(time.time()))
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                     "timestamp": stamp}}}, f)
+            info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:

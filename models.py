@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import functools
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,23 +85,6 @@ MODELS = {
 }
 
 
-def torchvision_models() -> list[str]:
-    import torchvision
-
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-def check_model_name(name: str) -> None:
-    if name in MODELS:
-        return
-    known = torchvision_models()
-    if name not in known:
-        close = difflib.get_close_matches(name, [*MODELS, *known], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UserError(f"unknown model {name!r}{hint} ({', '.join(MODELS)}, or a torchvision "
-                        "classification model such as resnet18)")
-
-
 @dataclass
 class InputNeeds:
     """What a model asks of its inputs; data.py resizes and normalizes batches to match."""
@@ -117,7 +101,6 @@ class InputNeeds:
 def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
     """The input size a torchvision model needs (its weights' min_size, or a ViT's image_size)
     and, with --pretrained, the size and mean/std its weights' transforms() use."""
-    check_model_name(model)
     if model in MODELS:
         if pretrained:
             raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained "
@@ -125,6 +108,11 @@ def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
         return InputNeeds()
     import torchvision
 
+    if model not in (known := torchvision.models.list_models(module=torchvision.models)):
+        close = difflib.get_close_matches(model, [*MODELS, *known], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown model {model!r}{hint} ({', '.join(MODELS)}, or a torchvision "
+                        "classification model such as resnet18)")
     weights = torchvision.models.get_model_weights(model).DEFAULT
     with torch.device("meta"):  # the architecture alone: no memory, no initialization
         fixed = getattr(torchvision.models.get_model(model, weights=None), "image_size", 0)
@@ -184,13 +172,7 @@ def weights_of(state: dict) -> dict:
     weights = state.get("model", state.get("state_dict", state))
     if not isinstance(weights, dict):
         raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
-    strip = ("module.", "_orig_mod.")
-    out = {}
-    for key, value in weights.items():
-        while key.startswith(strip):
-            key = key.removeprefix("module.").removeprefix("_orig_mod.")
-        out[key] = value
-    return out
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", key): value for key, value in weights.items()}
 
 
 def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,

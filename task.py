@@ -3,11 +3,10 @@
 It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a
 prediction is (a row of --predict's predictions.csv). Every path that computes a loss or a metric
 calls these: the training loop, `--lr find` and `python lr_find.py`, evaluation, `--evaluate`, the
-benchmarks. The rest of the template (resume,
-torchrun, checkpoints, logs) reads only the names defined here, so it works for any task that
-defines them. This one is single-label classification: cross-entropy, accuracy, a confusion
-matrix and the most confidently wrong images. tests/forks/ holds two other tasks written this
-way (regression, multi-label), which the machinery tests run too.
+benchmarks. The rest of the template (resume, torchrun, checkpoints, logs) reads only the names
+defined here, so it works for any task that defines them. This one is single-label classification:
+cross-entropy, accuracy, a confusion matrix and the most confidently wrong images. tests/forks/
+holds two other tasks written this way (regression, multi-label), which the machinery tests run too.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class Tally:
 
     def __init__(self, cfg, names: list[str], device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.names, self.keep = cfg, names, keep
-        n = len(names)
-        self.sums = torch.zeros(1 + n * n, device=device)  # the loss sum, then the confusion matrix
+        self.sums = torch.zeros(1 + len(names) ** 2, device=device)  # the loss sum, then the confusion matrix
         self.worst: tuple | None = None
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:

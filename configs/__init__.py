@@ -197,13 +197,9 @@ def _flag(name: str) -> str:
 
 def _convert(name: str, raw):
     """Turn a TOML value or a command-line string into the field's type."""
-    default = _FIELDS[name].default
-    if name == "lr":
-        if isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
-            return raw.strip().lower()
-        kind = float
-    else:
-        kind = type(default)
+    if name == "lr" and isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
+        return raw.strip().lower()
+    kind = float if name == "lr" else type(_FIELDS[name].default)
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -216,10 +212,8 @@ def _convert(name: str, raw):
     if isinstance(raw, bool):
         raise UserError(f"{name} expects {ARTICLES[kind]}, got {raw!r}")
     try:
-        if kind is int:
-            if isinstance(raw, float) and not raw.is_integer():
-                raise ValueError
-            return int(raw)
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
         hint = ", 'auto' or 'find'" if name == "lr" else ""

@@ -51,9 +51,8 @@ MODE_SETTINGS = ("evaluate", "predict", "checkpoint", "top_k", "tta")
 
 
 def evaluated_config(cfg: Config, given: dict, saved) -> Config:
-    """The config --evaluate and --predict run with. A checkpoint of ours (`saved`: its config) is built
-    as it was trained and run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with
-    cfg."""
+    """The config --evaluate and --predict run with: a checkpoint of ours (`saved`: its config) built as
+    it was trained, run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with cfg."""
     if isinstance(saved, dict):
         here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
         mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
