@@ -19,8 +19,10 @@ throughput figures use torch's thread count, and `OMP_WAIT_POLICY=PASSIVE` keeps
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
+import gc
 import io
 import json
 import os
@@ -229,7 +231,9 @@ def host_config(device: str, steps: int, out_dir: str) -> Config:
 
 
 def cpu_seconds(run: Callable[[], object], device: torch.device) -> float:
-    """Process CPU time (all threads: TensorBoard's writer included) of run(), its device work done."""
+    """Process CPU time (all threads: TensorBoard's writer included) of run(), its device work done.
+    The collector first clears what earlier runs left, so that no run pays for another's garbage."""
+    gc.collect()
     sync(device)
     start = time.process_time()
     run()
@@ -241,7 +245,8 @@ def stepping_cpu(run: Callable[[], object]) -> float:
     """Process CPU seconds (all threads: TensorBoard's writer included) per optimizer step of run(),
     from its first step to its last: the setup before and the evaluation and saves after are not in
     it, the log points and writes between are. The steps are seen through torch's global step hook,
-    the same instrument for both loops."""
+    the same instrument for both loops. The collector first clears what earlier runs left."""
+    gc.collect()
     marks = []
     hook = register_optimizer_step_pre_hook(
         lambda *_: marks.append(time.process_time()))
@@ -295,6 +300,9 @@ def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: st
             autocast_dtype=amp_dtype, scaler=scaler, device=device), device)
 
 
+PAIRS_A_REPEAT = 3  # short runs, interleaved: this VM's speed drifts within seconds
+
+
 def measure_host_bound(device_name: str, device: torch.device, steps: int, repeats: int,
                        find_iters: int) -> dict:
     """train.py's loop and an lr_find step against the bare loop where host work shows (host_config).
@@ -304,24 +312,25 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
     setup and evaluation are not. lr_find's is a whole sweep of `find_iters` steps (lr_find.py's
     default 50), snapshot and restore included, against as many bare steps from the same fresh setup
     (host_bare_steps), so both pay the first steps' allocations. One repeat runs the two loops, then
-    lr_find and its yardstick, each pair's order alternating from repeat to repeat so drift hits both
-    alike, then an untimed short bare run: whichever run came right after an lr_find call ran ~5%
-    slower on a 2-core VM.
+    lr_find and its yardstick, PAIRS_A_REPEAT times each, every pair's order the other way round from
+    the one before so drift hits both alike, then an untimed short bare run: whichever run came right
+    after an lr_find call ran ~5% slower on a 2-core VM.
     """
     bare, trained, found, fresh = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         for run in (host_bare, host_train, host_lr_find, host_bare_steps):  # first use: imports, caches
             run(device_name, device, 10, str(Path(tmp) / f"warm-{run.__name__}"))
         for r in range(repeats):
-            seconds = {}
+            seconds = collections.Counter()
             for pair, n in (((host_bare, host_train), steps), ((host_lr_find, host_bare_steps), find_iters)):
-                seconds.update({run: run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}"))
-                                for run in (pair if r % 2 == 0 else pair[::-1])})
+                for k in range(PAIRS_A_REPEAT):  # A B B A A B: drift within the repeat hits both alike
+                    for run in pair if (r + k) % 2 == 0 else pair[::-1]:
+                        seconds[run] += run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}"))
             host_bare(device_name, device, 10, f"{tmp}/{r}-settle")  # untimed: see above
-            bare.append(seconds[host_bare])
-            trained.append(seconds[host_train])
-            found.append(seconds[host_lr_find] / find_iters)
-            fresh.append(seconds[host_bare_steps] / find_iters)
+            bare.append(seconds[host_bare] / PAIRS_A_REPEAT)
+            trained.append(seconds[host_train] / PAIRS_A_REPEAT)
+            found.append(seconds[host_lr_find] / find_iters / PAIRS_A_REPEAT)
+            fresh.append(seconds[host_bare_steps] / find_iters / PAIRS_A_REPEAT)
     us = 1e6
     return {"host_loop_vs_bare": spread([b / t for b, t in zip(bare, trained, strict=True)]),
             "host_lr_find_overhead": spread([f / b for f, b in zip(found, fresh, strict=True)]),
@@ -492,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device, device, epochs=2 if quick else 8, repeats=args.repeats,
             lr_find_iters=20 if quick else 50))
         host = phase("host_bound", lambda: measure_host_bound(
-            args.device, device, steps=20 if quick else 300, repeats=args.repeats, find_iters=50))
+            args.device, device, steps=20 if quick else 100, repeats=args.repeats, find_iters=50))
     default = phase("default_model", lambda: measure_default_model(
         args.device, device, epochs=3 if quick else 4, repeats=1 if quick else 3))
     loader = phase("loader", lambda: measure_loader(
