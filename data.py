@@ -217,6 +217,9 @@ class Batches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.epoch(0)
 
+    def close(self) -> None:  # the DataLoader's workers stop now (a run's end, a failed one's too), not at gc
+        getattr(getattr(self._loader, "_iterator", None), "_shutdown_workers", lambda: None)()
+
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         pad, flip = (self.image.pad, bool(self.image.flip)) if self.image and self.train else (0, False)
         order, offsets, flips = epoch_plan(self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
@@ -229,8 +232,7 @@ class Batches:
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         for i, (inputs, targets) in enumerate(raw, start):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
             if self.image is None:
                 yield (inputs.float() if inputs.is_floating_point() else inputs), targets
                 continue

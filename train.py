@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,8 +112,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates = None, []
-    with (tensorboard, distributed.holding(out_dir), distributed.SIGNALS.installed(),
-          distributed.SIGNALS.in_mode("defer") as stop, stops_in_one_line(run, save, out_dir, world_size)):
+    with (tensorboard, distributed.holding(out_dir), closing(train_batches), closing(val_batches),
+          distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as stop,
+          stops_in_one_line(run, save, out_dir, world_size)):
         for epoch in range(run.epoch, cfg.epochs):
             run.epoch = epoch  # (evaluate() puts the model back in train mode)
             bar = tqdm(total=batches, initial=run.batch, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,

@@ -300,11 +300,8 @@ def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: st
             autocast_dtype=amp_dtype, scaler=scaler, device=device), device)
 
 
-PAIRS_A_REPEAT = 3  # short runs, interleaved: this VM's speed drifts within seconds
-
-
 def measure_host_bound(device_name: str, device: torch.device, steps: int, repeats: int,
-                       find_iters: int) -> dict:
+                       find_iters: int, pairs: int = 3) -> dict:
     """train.py's loop and an lr_find step against the bare loop where host work shows (host_config).
 
     The loops' figures are process CPU time per optimizer step from the first step of a `steps`-step
@@ -312,9 +309,10 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
     setup and evaluation are not. lr_find's is a whole sweep of `find_iters` steps (lr_find.py's
     default 50), snapshot and restore included, against as many bare steps from the same fresh setup
     (host_bare_steps), so both pay the first steps' allocations. One repeat runs the two loops, then
-    lr_find and its yardstick, PAIRS_A_REPEAT times each, every pair's order the other way round from
-    the one before so drift hits both alike, then an untimed short bare run: whichever run came right
-    after an lr_find call ran ~5% slower on a 2-core VM.
+    lr_find and its yardstick, `pairs` times each (short runs, interleaved: this VM's speed drifts
+    within seconds), every pair's order the other way round from the one before so drift hits both
+    alike, then an untimed short bare run: whichever run came right after an lr_find call ran ~5%
+    slower on a 2-core VM.
     """
     bare, trained, found, fresh = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
@@ -323,14 +321,14 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
         for r in range(repeats):
             seconds = collections.Counter()
             for pair, n in (((host_bare, host_train), steps), ((host_lr_find, host_bare_steps), find_iters)):
-                for k in range(PAIRS_A_REPEAT):  # A B B A A B: drift within the repeat hits both alike
+                for k in range(pairs):  # A B B A A B: drift within the repeat hits both alike
                     for run in pair if (r + k) % 2 == 0 else pair[::-1]:
                         seconds[run] += run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}"))
             host_bare(device_name, device, 10, f"{tmp}/{r}-settle")  # untimed: see above
-            bare.append(seconds[host_bare] / PAIRS_A_REPEAT)
-            trained.append(seconds[host_train] / PAIRS_A_REPEAT)
-            found.append(seconds[host_lr_find] / find_iters / PAIRS_A_REPEAT)
-            fresh.append(seconds[host_bare_steps] / find_iters / PAIRS_A_REPEAT)
+            bare.append(seconds[host_bare] / pairs)
+            trained.append(seconds[host_train] / pairs)
+            found.append(seconds[host_lr_find] / find_iters / pairs)
+            fresh.append(seconds[host_bare_steps] / find_iters / pairs)
     us = 1e6
     return {"host_loop_vs_bare": spread([b / t for b, t in zip(bare, trained, strict=True)]),
             "host_lr_find_overhead": spread([f / b for f, b in zip(found, fresh, strict=True)]),
@@ -338,7 +336,7 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
             "train_us_per_step": spread([v * us for v in trained]),
             "lr_find_us_per_step": spread([v * us for v in found]),
             "fresh_bare_us_per_step": spread([v * us for v in fresh]),
-            "steps": steps, "find_iters": find_iters}
+            "steps": steps, "find_iters": find_iters, "pairs": pairs}
 
 
 class PerSampleSet(torch.utils.data.Dataset):
@@ -467,7 +465,7 @@ def table(result: dict) -> str:
         f"{loader['images']:,} random uint8 3x32x32, batch {loader['batch_size']}, both timed from the "
         "first batch (worker start-up excluded)",
         f"host: resnet_small width 1, 8 px, batch 8, process CPU time per step from the first step "
-        f"to the last of {host['steps']}",
+        f"to the last of {host['steps']}; {host['pairs']} interleaved pairs a repeat",
     ]
     return "\n".join(lines)
 
@@ -501,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             args.device, device, epochs=2 if quick else 8, repeats=args.repeats,
             lr_find_iters=20 if quick else 50))
         host = phase("host_bound", lambda: measure_host_bound(
-            args.device, device, steps=20 if quick else 100, repeats=args.repeats, find_iters=50))
+            args.device, device, steps=20 if quick else 100, repeats=args.repeats, find_iters=50,
+            pairs=1 if quick else 3))
     default = phase("default_model", lambda: measure_default_model(
         args.device, device, epochs=3 if quick else 4, repeats=1 if quick else 3))
     loader = phase("loader", lambda: measure_loader(

@@ -69,7 +69,7 @@ def test_quick_bench_writes_all_keys(tmp_path, script):
     assert report["host_lr_find_overhead_runs"] == pytest.approx(
         [f / b for f, b in zip(host["lr_find_us_per_step"]["runs"], host["fresh_bare_us_per_step"]["runs"],
                                strict=True)])
-    assert host["steps"] == 20 and host["find_iters"] == 50
+    assert host["steps"] == 20 and host["find_iters"] == 50 and host["pairs"] == 1
     assert all(100 < v < 100_000 for v in host_bare + host_train)  # microseconds of one thread's step
     # Steps/s are the images/s over the batch; the CUDA-graphs figure is CUDA's alone.
     assert report["steps_per_second"] == {"bare": loop["bare_steps_per_second"]["median"],

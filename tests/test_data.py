@@ -167,3 +167,25 @@ def test_batches_with_workers_go_as_soon_as_they_are_dropped():
     for worker in workers:
         worker.join(timeout=2)
         assert not worker.is_alive()
+
+
+def test_a_failed_run_stops_its_workers_at_once(tmp_path, monkeypatch):
+    """train() that raises (here mid-epoch, in a notebook say) stops its DataLoader workers on the way
+    out: the traceback keeps its frames, so left to them the workers went only with the collector,
+    5 s each."""
+    import gc
+    import multiprocessing
+
+    from conftest import crash_at_step
+
+    import train
+
+    argv = ["--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8", "--loader",
+            "dataloader", "--num-workers", "2", "--batch-size", "16", "--out-dir", str(tmp_path)]
+    gc.disable()
+    try:
+        with crash_at_step(monkeypatch, 3):
+            train.train(parse_config(argv))
+        assert multiprocessing.active_children() == []
+    finally:
+        gc.enable()
