@@ -401,6 +401,8 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
     except UnreadableImage as err:
         line = re.sub(r" \(class folder '.*?'\)", "", str(err))  # these files are of no class
         raise UnreadableImage(f"--predict: {line}; move it away, or list the others in a CSV") from None
+    finally:
+        batches.close()  # its workers stop now, not when the traceback's frames go
     header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     return logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)

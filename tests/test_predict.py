@@ -311,6 +311,23 @@ def test_each_bad_input_is_one_line(case, digits_run, tmp_path, monkeypatch, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_an_unreadable_image_stops_the_workers_at_once(digits_run, tmp_path, monkeypatch, capsys):
+    """The failed read's traceback keeps predict's frames: its workers stop on the way out all the same,
+    not when the cycle collector gets to them (5 s each)."""
+    import gc
+    import multiprocessing
+
+    run, _, _ = digits_run
+    (tmp_path / "bad.png").write_text("hi")
+    gc.disable()
+    try:
+        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "bad.png", "--checkpoint",
+                                  run / "best.pt", "--device", "cpu", "--num-workers", "1"))
+        assert "--predict: cannot read image" in line and multiprocessing.active_children() == []
+    finally:
+        gc.enable()
+
+
 def test_inputs_that_are_not_images_are_one_line(tmp_path, monkeypatch, capsys):
     """A model of 1-D signals (the signal fork's): --predict reads image files, --tta flip mirrors them."""
     add_entries(monkeypatch, "signals_data", "signals_model")
