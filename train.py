@@ -82,7 +82,6 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     amp_dtype, scaler = amp_setup(device, cfg.amp)
-    check_graphs(cfg, device, amp_dtype, world_size)  # before --lr find's sweep, on every rank
     criterion = functools.partial(task.loss, cfg=cfg)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
         lr = find_lr(cfg, task, model, train_batches, amp_dtype, scaler, device)
@@ -102,8 +101,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         compiled, device_ids=[device.index] if device.type == "cuda" else None)
 
     # Outputs: the resolved config and TensorBoard (rank 0), and what this run is, said once.
-    if is_main:
-        checkpoints.write_json_atomic(out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
+    distributed.on_rank0(checkpoints.write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
     save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
                              optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps,
@@ -305,6 +303,7 @@ def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.
     """
     found = problem = None
     world_size = distributed.world_size()
+    check_graphs(cfg, device, amp_dtype, world_size)  # a --cuda-graphs the run will refuse: before the sweep
     if distributed.rank() == 0:
         try:
             result, wrote = lr_find.sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
