@@ -369,7 +369,8 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     _, val_batches, info = build_loaders(cfg, device, rank, world_size)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
-    val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
+    with closing(val_batches):  # its workers stop on the way out, as train() and predict()'s do
+        val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     pictures = task.pictures(val, info.names, None)
     return logs.report_evaluation(task, val, pictures, val_size=info.val_size, checkpoint=path,
