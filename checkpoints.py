@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from configs import Config, UserError
-from configs.resolve import check_resumable, resumed_config
+from configs.resolve import check_resumable, resumed_config, task_identity
 from distributed import lock_out_dir, release_all
 
 
@@ -256,7 +256,7 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config")  #
 RUN_COUNTERS = ("epoch", "batch", "step", "part")
 
 
-def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, Path, Config]:
+def load_resume(cfg: Config, given: dict | None, task) -> tuple[dict, Path, Config]:
     """--resume: the checkpoint, its path, and the config the run continues with (the checkpoint's,
     with `given`, the settings the command line gave, on top; None: all of cfg's). Refuses in one
     line a file that is not a train.py checkpoint, another task's, nan/inf weights, and a config that
@@ -268,9 +268,7 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
                         "version")
     if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):
         raise UserError(f"checkpoint {path} is not a train.py checkpoint (model or config is not a dict)")
-    if ckpt.get("task") != task_name:
-        raise UserError(f"checkpoint {path} was trained for the task {ckpt.get('task')!r}, and task.py is "
-                        f"{task_name!r}; resume it with the task.py it was trained with, or start a new run")
+    check_task(ckpt, path, task, "resume it with the task.py it was trained with, or start a new run")
     if not all_finite([t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]):
         raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
                         "run with a lower --lr")
@@ -288,25 +286,44 @@ def load_resume(cfg: Config, given: dict | None, task_name: str) -> tuple[dict, 
     return ckpt, path, cfg
 
 
-def load_predictor(path: Path, task_name: str) -> dict:
+def load_predictor(path: Path, task) -> dict:
     """--predict's checkpoint: train.py's, for this task, holding its class names and how its images
     were read ("inputs"); any other is refused in one line before anything is built."""
     if not path.is_file():
         raise UserError(f"--checkpoint {path}: no such file; train first (the default is runs/default/"
                         "best.pt) or pass --checkpoint PATH, a best.pt or last.pt of train.py")
     ckpt = load_checkpoint(path)
-    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("data"), dict) and "inputs" in ckpt):
+    inputs = ckpt.get("inputs")
+    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("data"), dict)
+            and isinstance(inputs, dict) and "images" in inputs):
         raise UserError(f"checkpoint {path} records no image preprocessing: it predates --predict or is not "
                         "train.py's; train it again with this version to predict with it")
-    if ckpt.get("task") != task_name:
-        raise UserError(f"checkpoint {path} was trained for the task {ckpt.get('task')!r}, and task.py is "
-                        f"{task_name!r}; predict with the task.py it was trained with")
-    if ckpt["inputs"] is None:
+    check_task(ckpt, path, task, "predict with the task.py it was trained with")
+    if inputs["images"] is None:
         dataset = ckpt["config"].get("dataset")
         raise UserError(f"--predict reads image files (and --tta flip mirrors them), and {path} was trained "
                         f"on inputs that are not images (--dataset {dataset}); run its model on your tensors "
                         "in your own code")
     return ckpt
+
+
+def check_task(ckpt: dict, path: Path, task, fix: str) -> str | None:
+    """A checkpoint of train.py's is used with the task it was trained for (task: the task module): another
+    task is refused in one line, naming both; the same task edited since is a note, returned to be said."""
+    if ckpt.get("task") != task.NAME:
+        raise UserError(f"checkpoint {path} was trained for the task {ckpt.get('task')!r}, and task.py is "
+                        f"{task.NAME!r}; {fix}")
+    if ckpt.get("task_source") != task_identity(task)["source"]:
+        return f"task.py has changed since {path} was saved: the loss and metrics below are today's task.py's"
+    return None
+
+
+def check_classes(ckpt: dict, path: Path, names: list[str], fix: str) -> None:
+    """The data's classes (outputs) are the ones the checkpoint's model was trained for, in its order."""
+    saved = ckpt["data"].get("names") if isinstance(ckpt.get("data"), dict) else None
+    if saved is not None and saved != names:
+        raise UserError(f"checkpoint {path} was trained on {len(saved)} classes {saved[:6]}, and the data "
+                        f"here has {len(names)}: {names[:6]}; its outputs mean other classes: {fix}")
 
 
 class NothingToDo(UserError):

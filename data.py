@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import configs
 from checkpoints import downloading
 from configs import Config, UserError
+from contract import IGNORE_INDEX, Targets, as_taken, check_splits
 from models import fit_images, input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -143,13 +144,20 @@ configs.REGISTRIES["dataset"] = DATASETS
 @dataclass
 class DataInfo:
     input_shape: tuple[int, ...]  # one example as the model gets it, (1, 8, 8) or (1, 256): [0] are channels
+    input_dtype: torch.dtype  # as the model gets it: float32 for images
     names: list[str]  # one per model output: len(names) outputs
+    class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
     train_size: int
     val_size: int
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
     preprocess: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
+
+    def inputs_record(self) -> dict:
+        """What a checkpoint records of the inputs: --predict and models.load_trained read it."""
+        dtype = str(self.input_dtype).removeprefix("torch.")
+        return {"shape": list(self.input_shape), "dtype": dtype, "images": self.preprocess}
 
 
 @dataclass
@@ -162,14 +170,21 @@ class ImageSteps:
     flip: bool = False
     channels_last: bool = False
     resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
+    dense: bool = False  # targets per pixel: cropped and flipped with their images
 
 
 def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, flip: bool = False,
-               rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               rank: int = 0, world_size: int = 1, class_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's example order, crop offsets and flip flags for an epoch, drawn for the whole dataset from
-    one (seed, epoch) generator, then sharded: the same on any device, wherever a resumed run starts."""
+    one (seed, epoch) generator, then sharded: the same on any device, wherever a resumed run starts.
+    `class_ids` (--balance-classes): n draws with replacement, each class equally likely."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
+    if class_ids is not None:
+        per_class = torch.bincount(class_ids).double()
+        order = torch.multinomial(1 / per_class[class_ids], n, replacement=True, generator=g)
+    else:
+        order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
     usable = n // world_size * world_size if shuffle else n  # training: equal shards, as DistributedSampler's
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
@@ -177,12 +192,16 @@ def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, fl
     return order[shard], offsets[shard], flips[shard]
 
 
-def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int) -> torch.Tensor:
-    """Random crop after zero padding, then flip, for a uint8 batch: one gather of each pixel's flat index in
-    its padded image (flips read columns backwards), ~5x faster than 4-D indexing; no device reads."""
+def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
+            fill: int = 0) -> torch.Tensor:
+    """Random crop after padding with `fill`, then flip, for a batch [N, C, H, W] (or per-pixel targets
+    [N, H, W]): one gather of each pixel's flat index in its padded image (flips read columns backwards),
+    ~5x faster than 4-D indexing; no device reads."""
+    if images.ndim == 3:
+        return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
     n, c, h, w = images.shape
     padded_h, padded_w = h + 2 * pad, w + 2 * pad
-    padded = F.pad(images, (pad, pad, pad, pad)).reshape(n, -1)
+    padded = F.pad(images, (pad, pad, pad, pad), value=fill).reshape(n, -1)
     span = torch.arange(w, device=images.device)
     cols = offsets[:, 1, None] + torch.where(flips[:, None], span.flip(0), span)
     rows = (offsets[:, 0, None] + torch.arange(h, device=images.device)) * padded_w
@@ -193,15 +212,18 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 class Batches:
     """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
-    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is."""
+    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
+    `targets`: how the task takes them (contract.check_splits); `class_ids`: draw classes equally often."""
 
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, init=None):  # init: a worker's first call
+                 world_size: int = 1, num_workers: int = 0, init=None,  # init: a worker's first call
+                 targets: Targets | None = None, class_ids: torch.Tensor | None = None):
         self.source, self.labels, self.image, self.worker_init = source, labels, image, init
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
+        self.targets, self.class_ids = targets, class_ids
         if image is not None:
             self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
             self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
@@ -220,10 +242,19 @@ class Batches:
     def close(self) -> None:  # the DataLoader's workers stop now (a run's end, a failed one's too), not at gc
         getattr(getattr(self._loader, "_iterator", None), "_shutdown_workers", lambda: None)()
 
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split's first n examples as the model gets them, unaugmented, drawing no random number
+        (read in this process: no worker starts): the start-up check's batch."""
+        if self.on_device:
+            return self._prepared(self.source[:n], self.labels[:n], None, 0)
+        items = [self.source[i] for i in range(min(n, self.num_examples))]
+        return self._prepared(*torch.utils.data.default_collate(items), None, 0)
+
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         pad, flip = (self.image.pad, bool(self.image.flip)) if self.image and self.train else (0, False)
         order, offsets, flips = epoch_plan(self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
-                                           flip=flip, rank=self.rank, world_size=self.world_size)
+                                           flip=flip, rank=self.rank, world_size=self.world_size,
+                                           class_ids=self.class_ids if self.train else None)
         count, bs = len(self), self.batch_size
         order, offsets, flips = (t[: count * bs] for t in (order, offsets, flips))
         offsets, flips = offsets.to(self.device), flips.to(self.device)
@@ -232,14 +263,23 @@ class Batches:
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         for i, (inputs, targets) in enumerate(raw, start):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
-            if self.image is None:
-                yield (inputs.float() if inputs.is_floating_point() else inputs), targets
-                continue
-            if pad or flip:
-                window = slice(i * bs, i * bs + len(inputs))
-                inputs = augment(inputs, offsets[window], flips[window], pad)
-            yield self._normalize(inputs), targets
+            window = slice(i * bs, i * bs + len(inputs))
+            crops = (offsets[window], flips[window]) if pad or flip else None
+            yield self._prepared(inputs, targets, crops, pad)
+
+    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops, pad: int):
+        """A batch on the device as the model and the task take it: images cropped and flipped by `crops`
+        ((offsets, flips); dense targets with them), then normalized."""
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
+        if self.targets is not None:
+            targets = as_taken(targets, self.targets)
+        if self.image is None:
+            return (inputs.float() if inputs.is_floating_point() else inputs), targets
+        if crops is not None:
+            inputs = augment(inputs, *crops, pad)
+            if self.image.dense:
+                targets = augment(targets, *crops, pad, fill=IGNORE_INDEX)
+        return self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
@@ -266,8 +306,9 @@ class Batches:
 
 
 def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
-                  worker_init=None) -> tuple[Batches, Batches, DataInfo]:
-    """Train and val batches of `cfg.dataset` on `device`, sharded for this rank; workers run worker_init."""
+                  worker_init=None, *, targets: str = "classes") -> tuple[Batches, Batches, DataInfo]:
+    """Train and val batches of `cfg.dataset` on `device`, sharded for this rank, their targets read and
+    checked as the task takes them (`targets`: task.TARGETS; contract.py); workers run worker_init."""
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
@@ -277,29 +318,41 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     if not images and needs.size:
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
+    splits = {"train": source.train, "val": source.val}  # tensor targets converted in place
+    spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
     image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
         if source.stats is None:  # the training images' own statistics
             x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
             source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
         resize, mean, std = fit_images(cfg, channels, size, *source.stats, notes)  # what the model asks
-        image = ImageSteps(mean, std, source.pad if cfg.augment else 0,
-                           source.flip and cfg.flip and cfg.augment, cfg.channels_last, resize)
+        flip = source.flip and cfg.flip and cfg.augment
+        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize,
+                           dense=spec.dense)
+        notes.append(_image_steps(image, spec, cfg))
     else:
         notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
                      "normalization or channels_last")
-    splits, mode = (source.train, source.val), cfg.loader
+    notes.append(checked)
+    if cfg.balance_classes and spec.class_ids is None:
+        raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
+                        "class id per example listed up front (tensors, or a Dataset with .targets)")
+    mode = cfg.loader
     if files and mode == "device":
         raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
     if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-        fits = not files and sum(t.nbytes for split in splits for t in split) <= DEVICE_MEMORY_SHARE * free
-        mode = "device" if fits else "dataloader"
-    sources = ([[t.to(device) for t in split] for split in splits] if mode == "device" else
-               [(split if files else torch.utils.data.TensorDataset(*split), None) for split in splits])
+        needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
+        mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
+    pairs = splits.values()
+    sources = ([[t.to(device) for t in split] for split in pairs] if mode == "device" else
+               [(split if files else torch.utils.data.TensorDataset(*split), None) for split in pairs])
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
-                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, init=worker_init)
-    train_batches, val_batches = (Batches(*s, train=i == 0, **common) for i, s in enumerate(sources))
+                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, init=worker_init,
+                  targets=spec)
+    balanced = spec.class_ids if cfg.balance_classes else None
+    train_batches = Batches(*sources[0], train=True, class_ids=balanced, **common)
+    val_batches = Batches(*sources[1], train=False, **common)
     if len(train_batches) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({train_batches.num_examples}); lower --batch-size")
@@ -307,9 +360,31 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
               else f"DataLoader with {cfg.num_workers} workers")
     prep = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
                       "std": image.std.tolist()}
-    info = DataInfo((shape[0], resize, resize) if resize else shape, list(source.names),
+    dtype = torch.float32 if images or sample.is_floating_point() else sample.dtype
+    counts = None if spec.class_counts is None else spec.class_counts.to(device)
+    info = DataInfo((shape[0], resize, resize) if resize else shape, dtype, list(source.names), counts,
                     train_batches.num_examples, val_batches.num_examples, loader, images, notes, prep)
     return train_batches, val_batches, info
+
+
+def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
+    """Which image steps the training batches get, said at start-up; those per-pixel targets cannot
+    follow are refused."""
+    if targets.dense and image.resize:
+        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
+                        "targets cannot be resized with the images: give the dataset images of that size, or "
+                        "use a model that takes these")
+    if targets.dense and image.pad and targets.kind == "values":
+        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
+                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
+                        "dataset's Source")
+    steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
+        ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
+        else [])
+    if not steps:
+        return f"images: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
+    moved = "; the per-pixel targets move with them" if targets.dense else ""
+    return f"images: {' and '.join(steps)} on training batches{moved}"
 
 
 def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device) -> tuple:
@@ -412,6 +487,10 @@ class _Files(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @property
+    def targets(self) -> list[int]:  # the class ids, read without the images (ImageFolder's convention)
+        return [label for _, label in self.items]
 
     def __getitem__(self, i: int):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]

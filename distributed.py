@@ -15,6 +15,7 @@ import os
 import shlex
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -237,6 +238,11 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
     if isinstance(err, KeyboardInterrupt):
         signum = getattr(err, "signum", signal.SIGINT)
         return f"interrupted by {signal.Signals(signum).name}{after}", 128 + signum
+    if isinstance(err, BrokenPipeError):  # stdout's reader ended (`| head`): end as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        line = ("the output was closed (its reader, such as `head`, ended): stopped, and every file written "
+                "so far is whole (a train.py run continues with --resume)")
+        return line, 128 + signal.SIGPIPE
     if (line := known_failure(err)) is None:
         raise err
     return line, status

@@ -162,14 +162,16 @@ def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype,
 
 
 def log_train_loss(run, tensorboard: TensorBoard, bar) -> float:
-    """A log point of train.py's `run`: the mean loss since the last one, read from the device once
-    with the run's first loss; the rates and the loss to TensorBoard and the progress bar."""
-    train_loss, first = torch.stack([torch.stack(run.losses).mean(), run.first_loss]).tolist()
+    """A log point of train.py's `run`: the loss since the last one (its summed losses over their
+    normalizers' sum), read from the device once with the run's first loss; the rates and the loss to
+    TensorBoard and the progress bar."""
+    mean = torch.stack(run.losses).sum() / sum(run.counts)
+    train_loss, first = torch.stack([mean, run.first_loss]).tolist()
     run.start_loss = first if run.start_loss is None else run.start_loss
     tensorboard.scalars({"train/lr": run.rates, "train/loss": [(run.step, train_loss)]})
     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{run.rates[-1][1]:.3g}", refresh=False)
     bar.update(run.batch - bar.n)
-    run.losses, run.rates = [], []
+    run.losses, run.counts, run.rates = [], [], []
     return train_loss
 
 
@@ -205,7 +207,7 @@ def run_summary(task, val, run, lr: float, epochs: int, epoch_rates: list[float]
     return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": epochs, "steps": run.step,
             "seconds": seconds, "total_seconds": seconds_before + seconds, "parts": part,
             "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
-            "images_per_second": sum(steady) / len(steady) if steady else math.nan,
+            "examples_per_second": sum(steady) / len(steady) if steady else math.nan,
             "lr": lr, "world_size": world_size, "device": str(device), "ranks_in_sync": in_sync,
             **(val.details if val else {})}
 

@@ -38,6 +38,9 @@ SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
 _READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
+FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
+                         "but the data or the model (nan or inf in the inputs or targets, or a layer that "
+                         "makes them)")
 
 
 def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -49,21 +52,25 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             min_iter_before_stop: int = 10, progress: Callable[[int, float, float], None] | None = None,
             batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
             val_loader: Iterable[Any] | None = None, step_mode: str = "exp",
-            optimizer_kind: str | None = None) -> LRFindResult:
+            optimizer_kind: str | None = None,
+            normalizer: Callable[[Any], torch.Tensor | float] | None = None) -> LRFindResult:
     """Train with a growing lr and record the loss of every optimizer step.
 
     Batches go to ``device`` whole (a BatchEncoding, or any object with a ``.to``, moves itself). The loss is
     ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, else ``batch_loss( model,
     batch)``, e.g. ``lambda model, batch: model(**batch).loss``. Step i of n sets ``start_lr * (end_lr /
     start_lr) ** (i / (n - 1))`` (``step_mode="linear"``: a straight line) on the first group, the others
-    keeping their ratio; lists of rates give each group its own. With ``val_loader`` a step's loss is its
-    mean over it, in eval mode. The sweep stops at a non-finite loss, or (from step ``min_iter_before_stop``)
-    once the smoothed loss passes ``diverge`` x its best, or ``DIVERGED_RUN`` raw losses in a row pass
-    ``diverge`` x their lowest running median of five. All it touched is put back, even on error: model,
-    optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers (an iterator is used up).
-    ``progress(i, lr, loss)`` sees each step. ``.suggestion`` serves ``schedule`` by DEFAULT_RULES for
-    ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step happened or no
-    weight moved."""
+    keeping their ratio; lists of rates give each group its own. With ``normalizer`` the loss is a batch's
+    sum and ``normalizer(batch)`` (on the device) what it is divided by: a step divides its ``accum_steps``
+    batches' sum once by their normalizers' sum, exact for weighted and masked means (class weights,
+    ignored pixels, padded tokens); without, each loss is a mean and a step averages them. With
+    ``val_loader`` a step's loss is its mean over it, in eval mode. The sweep stops at a non-finite loss,
+    or (from step ``min_iter_before_stop``) once the smoothed loss passes ``diverge`` x its best, or
+    ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x their lowest running median of five. All it
+    touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's generators, samplers
+    and workers (an iterator is used up). ``progress(i, lr, loss)`` sees each step. ``.suggestion`` serves
+    ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer) or by ``method``;
+    none if no step happened or no weight moved."""
     _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
                 num_iter, smooth, diverge, accum_steps, min_iter_before_stop)
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
@@ -73,10 +80,16 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
-    def loss_of(batch: Any) -> torch.Tensor:
-        batch = _to_device(batch, device)
-        with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
-            return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
+    def window_losses(window: list) -> Iterator[torch.Tensor]:
+        """Each batch's loss divided so that they add up to the window's mean: by the window's normalizer,
+        without one by the number of batches. Lazily, so that one graph at a time is held."""
+        window = [_to_device(batch, device) for batch in window]
+        divisor = len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
+        for batch in window:
+            with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
+                loss = batch_loss(model, batch) if batch_loss else loss_fn(
+                    *_outputs_and_targets(model, batch))
+            yield loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
 
     restore, moved = _snapshot(model, optimizer, scaler)
     batches, taken, put_back = _cycle(loader), [], []
@@ -85,11 +98,13 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         put_back.extend(_keep_loader(v) for v in (loader, val_loader) if v is not None)  # one by one
         with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
             losses, smoothed, train_losses, stop_reason = _sweep(
-                model, optimizer, loss_of, batches, val_loader, plan, device, smooth, diverge, accum_steps,
-                scaler, min_iter_before_stop, progress)
+                model, optimizer, window_losses, batches, val_loader, plan, device, smooth, diverge,
+                accum_steps, scaler, min_iter_before_stop, progress)
         stuck = None if taken and moved() else (  # a sweep that never stepped says nothing
             f"the weights never changed in {len(taken)} steps (zero gradients, or steps skipped on the "
             "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
+        if losses and not math.isfinite(losses[0]):  # before any update: no rate is to blame
+            stuck = FIRST_LOSS_NOT_FINITE
     finally:
         hook.remove()
         batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
@@ -292,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         import distributed
         import task
         from checkpoints import claim_out_dir
-        from configs import command_line, exit_with_error, parse_config
+        from configs import exit_with_error, parse_config
+        from contract import check_model
         from data import build_loaders
         from models import amp_setup, build_model, check_graphs
     except ImportError as err:
@@ -307,21 +323,33 @@ def main(argv: list[str] | None = None) -> None:
             claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
             device = distributed.pick_device(cfg.device)
             torch.manual_seed(cfg.seed)
-            batches, _, info = build_loaders(cfg, device)
+            batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
             model = build_model(cfg, info.input_shape[0], len(info.names), device)
+            print(*info.notes, check_model(model, batches, task, cfg, info), sep="\n")
             amp_dtype, scaler = amp_setup(device, cfg.amp)
             check_graphs(cfg, device, amp_dtype, world_size)  # train.py's next run would refuse it
             with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
-                result, wrote = sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
+                result, wrote = sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device,
                                             progress=lambda i, lr, loss: bar.update())
+        report(result, wrote, cfg, world_size)  # inside: a closed stdout (`| head`) is one line too
     except (KeyboardInterrupt, Exception) as err:  # a UserError or bad argument; a signal; a known failure
         exit_with_error(*(str(err), 2) if isinstance(err, ValueError) else distributed.failure_line(
             err, "; lr_find wrote nothing and the model is as it was: run the command again", status=1))
+    finally:
+        distributed.release_all()  # the folder's lock (and the folder, if this left it empty)
+
+
+def report(result: LRFindResult, wrote: list, cfg, world_size: int) -> None:
+    """What python lr_find.py says once its files are written: the sweep, its suggestions, the next
+    command."""
+    from configs import command_line, exit_with_error
+
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}{'; rank 0 runs it' * (world_size > 1)}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
-        exit_with_error(f"no learning rate suggested ({result.why_none}); widen --find-start-lr/"
-                        "--find-end-lr or raise --find-iters, and look at lr_find.png", status=1)
+        fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
+            "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
+        exit_with_error(f"no learning rate suggested ({result.why_none}){fix}", status=1)
     others = "".join(f"; for {'/'.join(_SERVED[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
                      in result.suggestions.items() if lr and f != SCHEDULES[result.schedule])
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
@@ -329,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
 
 
-def sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device, batches_per_step: int = 1,
+def sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device, batches_per_step: int = 1,
                 progress=None) -> tuple[LRFindResult, list]:
     """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 taking
     `batches_per_step` batches a step), and what it wrote (a record naming the task, for --lr auto)."""
@@ -337,9 +365,11 @@ def sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device, batches_pe
     from configs.resolve import task_identity
     from models import OPTIMIZERS, build_optimizer
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
-    optimizer, loss = build_optimizer(model, cfg, cfg.find_start_lr), functools.partial(task.loss, cfg=cfg)
+    optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
+    loss = functools.partial(task.loss, cfg=cfg, info=info)
     with contextlib.closing(stream):
         result = lr_find(model, optimizer, loss, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
+                         normalizer=lambda batch: task.normalizer(batch[1], cfg, info),
                          num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * batches_per_step,
                          autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
                          method=None if cfg.find_method == "auto" else cfg.find_method, progress=progress,
@@ -486,7 +516,7 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth, diverge, accum_steps,
+def _sweep(model, optimizer, window_losses, batches, val_loader, plan, device, smooth, diverge, accum_steps,
            scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], list[float], str]:
     """One optimizer step per row of ``plan`` (each group's lr) until the stop rule fires: (losses,
     smoothed, training losses, why)."""
@@ -523,11 +553,12 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
     def val_loss() -> torch.Tensor:
         model.eval()
         with torch.no_grad():
-            total = [loss_of(batch).detach().float() for batch in val_loader]
+            window = list(val_loader)
+            if not window:
+                raise ValueError("val_loader is empty: it yielded no batches")
+            total = sum(loss.detach().float() for loss in window_losses(window))
         model.train()
-        if not total:
-            raise ValueError("val_loader is empty: it yielded no batches")
-        return sum(total) / len(total)
+        return total
 
     model.train()
     for i, rates in enumerate(plan):
@@ -538,9 +569,7 @@ def _sweep(model, optimizer, loss_of, batches, val_loader, plan, device, smooth,
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         total = None  # the training loss: the window's mean, as one big batch would give
-        for _ in range(accum_steps):
-            loss = loss_of(next(batches))
-            loss = loss / accum_steps if accum_steps > 1 else loss  # no kernel (and its backward's) for 1
+        for loss in window_losses([next(batches) for _ in range(accum_steps)]):
             total = loss.detach().float() if total is None else total + loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:

@@ -166,6 +166,21 @@ def build_model(cfg: Config, channels: int, num_outputs: int,
     return model.to(device, memory_format=memory)
 
 
+def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict]:
+    """The model in a train.py checkpoint, for your own code: built as it was trained, its weights
+    loaded, in eval mode on `device`; and the checkpoint, whose "data" names the outputs ("names") and
+    whose "inputs" says what the model takes ("shape", "dtype", and for images how they were read)."""
+    ckpt = load_checkpoint(path)
+    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("inputs"), dict)):
+        raise UserError(f"{path} is not a checkpoint of this train.py (it records no config or inputs)")
+    saved = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
+    cfg = Config(**{**saved, "evaluate": str(path)})  # evaluate: every weight comes from the checkpoint
+    names = ckpt["data"]["names"]
+    model = build_model(cfg, ckpt["inputs"]["shape"][0], len(names), device)
+    load_weights(model, ckpt, len(names), str(path), new_head=False)
+    return model.eval(), ckpt
+
+
 def weights_of(state: dict) -> dict:
     """The state_dict in a checkpoint of ours ("model"), a Lightning-style one ("state_dict") or a
     plain one, without the `module.` and `_orig_mod.` prefixes DDP and torch.compile add."""

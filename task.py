@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from contract import IGNORE_INDEX
 from logs import confusion_picture, image_grid
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
+TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
 METRICS = ("loss", "acc")  # TensorBoard val/<name>, summary.json val_<name>, in this order
 MAIN_METRIC, HIGHER_IS_BETTER = "acc", True  # best.pt is the checkpoint with the best val acc
 SAVED_PICTURES = ("confusion",)  # also written as confusion.png (eval_confusion.png by --evaluate)
@@ -26,9 +28,19 @@ WORST_SHOWN = 16  # the most confidently wrong validation images in their pictur
 INPUTS_SHOWN = 32  # training images in the picture of what the model receives
 
 
-def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
-    """The batch's mean loss: what training minimizes, lr_find sweeps, and evaluation reports."""
-    return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing)
+def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
+    """The batch's loss summed over what `normalizer` counts: what training minimizes, lr_find sweeps
+    and evaluation reports, each divided once by the normalizers' sum over all the batches they take
+    together (an optimizer step's micro-batches and processes, a whole evaluation). A mean within the
+    batch would weigh a weighted or masked batch wrongly. `info`: data.DataInfo (class_counts, ...)."""
+    return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def normalizer(targets: torch.Tensor, cfg, info) -> int | torch.Tensor:
+    """What loss() sums over: the examples; per-pixel targets count their pixels but a crop's padding
+    (a tensor, as it depends on the values: never read on the host)."""
+    return len(targets) if targets.ndim == 1 else (targets != IGNORE_INDEX).sum()
 
 
 def show(name: str, value: float) -> str:
@@ -46,20 +58,27 @@ class Evaluation:
 
 
 class Tally:
-    """Loss sum, confusion matrix and the most confidently wrong examples of one validation pass,
-    kept on the device: a read per batch would wait for the device every batch. Under torchrun the
-    counts are summed over processes; the wrong examples are this process's shard's."""
+    """Loss and normalizer sums, confusion matrix and the most confidently wrong examples of one
+    validation pass, kept on the device: a read per batch would wait for the device every batch. Per-pixel
+    targets count each pixel (a crop's padding none). Under torchrun the sums are summed over processes;
+    the wrong examples are this process's shard's."""
 
-    def __init__(self, cfg, names: list[str], device: torch.device, keep: int = WORST_SHOWN):
-        self.cfg, self.names, self.keep = cfg, names, keep
-        self.sums = torch.zeros(1 + len(names) ** 2, device=device)  # the loss sum, then the confusion matrix
+    def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
+        self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
+        self.sums = torch.zeros(2 + len(self.names) ** 2, device=device)  # loss, normalizer, confusion matrix
         self.worst: tuple | None = None
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
         outputs, n = outputs.float(), len(self.names)
-        self.sums[0] += loss(outputs, targets, self.cfg) * len(targets)
-        predicted = outputs.argmax(1)
-        self.sums[1:].index_add_(0, targets * n + predicted, torch.ones_like(targets, dtype=torch.float))
+        self.sums[0] += loss(outputs, targets, self.cfg, self.info)
+        self.sums[1] += normalizer(targets, self.cfg, self.info)
+        predicted, counted = outputs.argmax(1), targets != IGNORE_INDEX
+        cells = torch.where(counted, targets * n + predicted, 0).flatten()  # indexing by a mask would sync
+        self.sums[2:].index_add_(0, cells, counted.flatten().float())
+        if targets.ndim == 1:  # one class per example: its confidence says which were wrong
+            self._keep_worst(outputs, targets, inputs, predicted)
+
+    def _keep_worst(self, outputs, targets, inputs, predicted) -> None:
         confidence = outputs.softmax(1).amax(1).masked_fill_(predicted == targets, -1.0)  # -1: right
         top = confidence.topk(min(self.keep, len(targets))).indices
         batch = (confidence[top], inputs[top], targets[top], predicted[top])
@@ -72,11 +91,11 @@ class Tally:
     def result(self, reduce=lambda sums: sums) -> Evaluation:
         """The metrics, after `reduce` (a sum over torchrun's processes) of the device's sums."""
         values, n = reduce(self.sums).tolist(), len(self.names)
-        confusion = [[round(v) for v in values[1 + r * n: 1 + (r + 1) * n]] for r in range(n)]
+        confusion = [[round(v) for v in values[2 + r * n: 2 + (r + 1) * n]] for r in range(n)]
         count = sum(map(sum, confusion))
         correct = sum(confusion[i][i] for i in range(n))
         per_class = [row[i] / sum(row) if sum(row) else None for i, row in enumerate(confusion)]
-        return Evaluation({"loss": values[0] / count, "acc": correct / count},
+        return Evaluation({"loss": values[0] / values[1], "acc": correct / count},
                           {"per_class_acc": dict(zip(self.names, per_class, strict=True)),
                            "confusion": confusion}, self.worst)
 

@@ -31,6 +31,7 @@ import logs
 import lr_find
 import task as default_task
 from configs import Config, UserError, parse_given, resolve
+from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
 from distributed import continue_command, stop_if_signalled
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
@@ -53,7 +54,8 @@ class Run:
     saved_at: tuple | None = None  # (epoch, batch) and step of the last.pt on disk, if any
     saved_step: int | None = None
     first_loss: torch.Tensor | None = None  # start_loss still on the device
-    losses: list = field(default_factory=list)  # batch losses since the last log point, on the device
+    losses: list = field(default_factory=list)  # summed batch losses since the last log point, on the device
+    counts: list = field(default_factory=list)  # their normalizers (numbers, or tensors on the device)
     rates: list = field(default_factory=list)  # (step, lr) since the last log point, on the host
 
     def improves(self, score: float, higher_is_better: bool) -> bool:
@@ -67,7 +69,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     """One run. A resume takes the checkpoint's config, `given` (the flags given; None: all of cfg) on top."""
     # Setup. A resume continues with the checkpoint's config, checked against what was given now;
     # an --out-dir that cannot be written, or holds an unfinished run, is refused before any data loads.
-    ckpt, path, cfg = checkpoints.load_resume(cfg, given, task.NAME) if cfg.resume else (None, None, cfg)
+    ckpt, path, cfg = checkpoints.load_resume(cfg, given, task) if cfg.resume else (None, None, cfg)
     rank, world_size, device = distributed.setup(cfg.device)
     is_main = rank == 0  # rank 0 alone prints, logs and saves
     say = print if is_main else (lambda *a, **k: None)
@@ -77,14 +79,17 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     torch.manual_seed(cfg.seed)
 
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
-    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, distributed.worker_init)
+    # The data is checked against the task (contract.py) as it loads, and one batch goes through the model.
+    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, distributed.worker_init,
+                                                     targets=task.TARGETS)
     batches = len(train_batches)
     data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
+    info.notes.append(check_model(model, train_batches, task, cfg, info))
     amp_dtype, scaler = amp_setup(device, cfg.amp)
-    criterion = functools.partial(task.loss, cfg=cfg)
+    criterion = functools.partial(task.loss, cfg=cfg, info=info)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
-        lr = find_lr(cfg, task, model, train_batches, amp_dtype, scaler, device)
+        lr = find_lr(cfg, task, model, train_batches, info, amp_dtype, scaler, device)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches)
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
@@ -105,11 +110,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
     save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
                              optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps,
-                             data=data, inputs=info.preprocess)
+                             data=data, inputs=info.inputs_record())
     logs.announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard, say)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
-    val, epoch_rates = None, []
+    val, epoch_rates, seeds = None, [], {}
     with (tensorboard, distributed.holding(out_dir), closing(train_batches), closing(val_batches),
           distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as stop,
           stops_in_one_line(run, save, out_dir, world_size)):
@@ -120,28 +125,32 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             epoch_start, first_batch = time.perf_counter(), run.batch
             stream = train_batches.epoch(epoch, run.batch)
             while run.batch < batches:
-                # Accumulation: accum_steps micro-batches a step (the epoch's last step may get
-                # fewer), each loss divided by their number; only the last backward all-reduces.
-                micro_steps = min(cfg.accum_steps, batches - run.batch)
-                for micro_step in range(micro_steps):
-                    inputs, targets = next(stream)
-                    last = micro_step == micro_steps - 1
+                # Accumulation: accum_steps micro-batches a step (the epoch's last step may get fewer),
+                # drawn first: each summed loss is weighted by the step's normalizer over all of them and
+                # every process, so that a step is one batch k x N times as large, for weighted and
+                # masked means too. Only the last backward all-reduces.
+                window = [next(stream) for _ in range(min(cfg.accum_steps, batches - run.batch))]
+                counts = [task.normalizer(targets, cfg, info) for _, targets in window]
+                weight = step_weight(counts, world_size, device, seeds)
+                for micro_step, (inputs, targets) in enumerate(window):
+                    last = micro_step == len(window) - 1
                     with nullcontext() if last or world_size == 1 else ddp_model.no_sync():
                         with autocast(device, amp_dtype):
                             loss = criterion(ddp_model(inputs), targets)
-                        scaled = loss / micro_steps if micro_steps > 1 else loss
-                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                        # backward from `weight` rather than 1: loss x weight's gradients, with no multiply
+                        (scaler.scale(loss) if scaler is not None else loss).backward(weight)
                     run.losses.append(loss.detach())
                     if run.first_loss is None:  # the divergence yardstick; the inputs as the model sees them
-                        run.first_loss = run.losses[0]
+                        run.first_loss = run.losses[0] / counts[0]
                         logs.inputs(inputs, targets, task, info.names, train_batches.pixels, run, tensorboard)
+                run.counts += counts
 
                 # The optimizer step, and the scheduler's with it (both skipped where GradScaler
                 # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
                 run.rates.append((run.step + 1, optimizer.param_groups[0]["lr"]))
                 optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
                 optimizer.zero_grad(set_to_none=True)
-                run.step, run.batch = run.step + 1, run.batch + micro_steps
+                run.step, run.batch = run.step + 1, run.batch + len(window)
 
                 # Log points (every log_every steps, and the epoch's last) are the only place the
                 # loop reads the device: the mean loss, and the divergence check on it.
@@ -161,13 +170,14 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             distributed.sync_buffers(model)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
-            images = (batches - first_batch) * cfg.batch_size  # all processes'; none if resumed at its end
-            epoch_rates += [images / max(time.perf_counter() - epoch_start, 1e-9)] if images else []
-            val = evaluate(compiled, val_batches, task, cfg, info.names, device, amp_dtype)
+            examples = (batches - first_batch) * cfg.batch_size  # all processes'; none if resumed at its end
+            epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
+            val = evaluate(compiled, val_batches, task, cfg, info, device, amp_dtype)
             logs.log_evaluation(val, task, info.names, val_batches.pixels, run.step, tensorboard)
-            rate = f"  ({epoch_rates[-1]:,.0f} img/s)" if images else ""
-            say(f"epoch {epoch + 1}/{cfg.epochs}  step {run.step}  {task.describe(val)}{rate}")
+            rate = f"  ({epoch_rates[-1]:,.0f} {'img' if info.images else 'examples'}/s)" if examples else ""
+            line = f"epoch {epoch + 1}/{cfg.epochs}  step {run.step}  {task.describe(val)}{rate}"
             if not math.isfinite(val.metrics["loss"]):
+                say(line)
                 raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", optimizer, lr, run,
                                out_dir)
             improved = run.improves(val.metrics[task.MAIN_METRIC], task.HIGHER_IS_BETTER)
@@ -175,6 +185,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             save(run, "last.pt")
             if improved:
                 save(run, "best.pt")
+            say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
             stop_if_signalled(stop, True, device, run, save, True, say, out_dir, world_size)  # one in eval
 
         # Summary, while the folder is still this run's. Every rank takes part in ranks_agree, a
@@ -210,9 +221,9 @@ def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: 
                         "start_loss": run.start_loss, "part": run.part,
                         "seconds_before": run.seconds_before + time.perf_counter() - run.started},
                 "config": {**cfg.to_dict(), "lr": lr},
-                "task": task.NAME,
+                "task": task.NAME, "task_source": resolve.task_identity(task)["source"],
                 "data": data,  # what fixes the schedule: a resume on other data is refused
-                "inputs": inputs,  # how its images were read: --predict reads new ones the same way
+                "inputs": inputs,  # their shape and dtype; how images were read, as --predict reads new ones
                 "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
             }, path)
     if name == "last.pt":
@@ -277,12 +288,26 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
                         f"steps: {err}; change its options or --epochs") from None
 
 
+def step_weight(counts: list, world_size: int, device: torch.device, seeds: dict) -> torch.Tensor:
+    """What an optimizer step's summed losses are weighted by: one over their normalizers' sum over every
+    process, times the processes (DDP averages the gradients over them). Tensors (a count that depends on
+    the targets) are summed over the processes on the device, never read; numbers (the examples) are the
+    same on every rank, and their weight is kept on the device in `seeds`, made once per value."""
+    total = sum(counts)
+    if isinstance(total, torch.Tensor):
+        counted = distributed.all_reduce_sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
+        return world_size / counted
+    if total not in seeds:
+        seeds[total] = torch.tensor(1 / total, device=device)
+    return seeds[total]
+
+
 @torch.no_grad()
-def evaluate(model, batches, task, cfg: Config, names: list[str], device, amp_dtype):
+def evaluate(model, batches, task, cfg: Config, info, device, amp_dtype):
     """One pass over the validation split through the task's tally, kept on the device and read
     once at the end (summed over processes under torchrun)."""
     model.eval()
-    tally = task.Tally(cfg, names, device)
+    tally = task.Tally(cfg, info, device)
     for inputs, targets in batches.epoch(0):
         with autocast(device, amp_dtype):
             outputs = model(inputs)
@@ -294,7 +319,7 @@ def evaluate(model, batches, task, cfg: Config, names: list[str], device, amp_dt
 # ---------------------------------------------------------------- --lr find
 
 
-def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.device) -> float:
+def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler, device: torch.device) -> float:
     """--lr find: lr_find.py's sweep on this very model and data, its files written, its suggestion.
 
     Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
@@ -306,13 +331,14 @@ def find_lr(cfg: Config, task, model, batches, amp_dtype, scaler, device: torch.
     check_graphs(cfg, device, amp_dtype, world_size)  # a --cuda-graphs the run will refuse: before the sweep
     if distributed.rank() == 0:
         try:
-            result, wrote = lr_find.sweep_setup(cfg, task, model, batches, amp_dtype, scaler, device,
+            result, wrote = lr_find.sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device,
                                                 batches_per_step=world_size)
             found = result.suggestion
+            fix = "" if result.why_none == lr_find.FIRST_LOSS_NOT_FINITE else (
+                f"; look at {wrote[-1]}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "
+                "--lr N")
             if found is None:
-                problem = (f"the range test suggested no learning rate ({result.why_none}); look at "
-                           f"{wrote[-1]}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "
-                           "--lr N")
+                problem = f"the range test suggested no learning rate ({result.why_none}){fix}"
             else:
                 alone = f"; rank 0 alone, {world_size}x its batches per step" if world_size > 1 else ""
                 print(f"lr find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
@@ -343,10 +369,15 @@ def divergence(train_loss: float, start_loss: float) -> str | None:
 
 
 def diverged(what: str, optimizer, lr: float, run: Run, out_dir: Path) -> UserError:
-    """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds."""
+    """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
+    first loss that is not finite came before any step: the data or the model, not the rate."""
     at_lr = optimizer.param_groups[0]["lr"]
     kept = ("this run wrote no checkpoint" if run.saved_step is None
             else f"{out_dir / 'last.pt'} still holds step {run.saved_step}")
+    if run.start_loss is not None and not math.isfinite(run.start_loss):
+        return UserError(f"the first batch's loss is {run.start_loss}, before any optimizer step: not the "
+                         "learning rate but the data or the model (nan or inf in the inputs or targets, or a "
+                         f"layer that makes them); check them, e.g. the dataset's files; {kept}")
     return UserError(f"training diverged at step {run.step} ({what}; lr {at_lr:.3g}): try a lower --lr than "
                      f"{lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
                      f"to find one; {kept}")
@@ -364,13 +395,19 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task or classes to check
+    if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
+        print(edited)
     cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
     rank, world_size, device = distributed.setup(cfg.device)
-    _, val_batches, info = build_loaders(cfg, device, rank, world_size)
+    _, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
+    if ours:
+        checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
+    check_model(model, val_batches, task, cfg, info)
     with closing(val_batches):  # its workers stop on the way out, as train() and predict()'s do
-        val = evaluate(model, val_batches, task, cfg, info.names, device, amp_setup(device, cfg.amp)[0])
+        val = evaluate(model, val_batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     pictures = task.pictures(val, info.names, None)
     return logs.report_evaluation(task, val, pictures, val_size=info.val_size, checkpoint=path,
@@ -385,19 +422,19 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
     --out-dir given here). The outputs stay on the device until the last batch: one read in all."""
     given = cfg.to_dict() if given is None else given
     path = Path(cfg.checkpoint)
-    ckpt = checkpoints.load_predictor(path, task.NAME)
+    ckpt = checkpoints.load_predictor(path, task)
     cfg = resolve.evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
-    device, names, inputs = distributed.pick_device(cfg.device), ckpt["data"]["names"], ckpt["inputs"]
-    batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), inputs, device)
-    model = build_model(cfg, inputs["channels"], len(names), device).eval()
+    device, names = distributed.pick_device(cfg.device), ckpt["data"]["names"]
+    reading = ckpt["inputs"]["images"]  # how the run read its images
+    batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), reading, device)
+    model = build_model(cfg, reading["channels"], len(names), device).eval()
     load_weights(model, ckpt, len(names), f"--checkpoint {path}", new_head=False)
     amp_dtype, outputs = amp_setup(device, cfg.amp)[0], []
     try:
         for images, _ in tqdm(batches.epoch(0), total=len(batches), desc="predict", leave=False,
                               disable=not sys.stdout.isatty()):
-            with autocast(device, amp_dtype):  # --tta flip: the mirror image's outputs averaged in
-                views = [model(images)] + ([model(images.flip(-1))] if cfg.tta == "flip" else [])
-            outputs.append(sum(view.float() for view in views) / len(views))
+            with autocast(device, amp_dtype):
+                outputs.append(predicted(model, images, cfg.tta))
     except UnreadableImage as err:
         line = re.sub(r" \(class folder '.*?'\)", "", str(err))  # these files are of no class
         raise UnreadableImage(f"--predict: {line}; move it away, or list the others in a CSV") from None
@@ -406,6 +443,18 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
     header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     return logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+
+
+def predicted(model, images: torch.Tensor, tta: str) -> torch.Tensor:
+    """A batch's outputs; --tta flip averages in the mirror images' (per-pixel outputs flipped back, so
+    that each pixel's output meets its own)."""
+    outputs = model(images).float()
+    if tta != "flip":
+        return outputs
+    mirrored = model(images.flip(-1)).float()
+    if mirrored.ndim > 2 and mirrored.shape[-1] == images.shape[-1]:  # a map over the image's columns
+        mirrored = mirrored.flip(-1)
+    return (outputs + mirrored) / 2
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import io
 import json
 import math
@@ -116,11 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def setup(cfg: Config, device: torch.device):
     """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
-    batches, _, info = build_loaders(cfg, device)
+    batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))
-    return model, optimizer, functools.partial(task.loss, cfg=cfg), stream
+
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # a batch mean, as criteria give
+        return task.loss(outputs, targets, cfg, info) / task.normalizer(targets, cfg, info)
+
+    return model, optimizer, loss, stream
 
 
 def ours(cfg: Config, device: torch.device) -> tuple[dict, float]:

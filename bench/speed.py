@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import gc
 import io
 import json
@@ -107,22 +106,27 @@ def cifar_config(device: str, batch_size: int, images: int) -> Config:
 
 
 def setup(cfg: Config, device: torch.device, lr: float | None = None):
-    """Loaders, model, optimizer and AMP built exactly as train.py builds them."""
+    """Loaders, model, optimizer and AMP built exactly as train.py builds them, and the task's loss as a
+    batch's mean (its sum over its normalizer), as a bare loop would write it."""
     torch.manual_seed(cfg.seed)
-    train_batches, _, info = build_loaders(cfg, device)
+    train_batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
     amp_dtype, scaler = models.amp_setup(device, cfg.amp)
     model.train()
-    return train_batches, model, optimizer, amp_dtype, scaler
+
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return task.loss(outputs, targets, cfg, info) / task.normalizer(targets, cfg, info)
+
+    return train_batches, model, optimizer, amp_dtype, scaler, loss
 
 
-def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, cfg: Config) -> int:
+def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, loss_fn) -> int:
     """Forward, the task's loss, backward, optimizer step and nothing else; returns the number of images."""
     images = 0
     for inputs, targets in batches:
         with models.autocast(device, amp_dtype):
-            loss = task.loss(model(inputs), targets, cfg)
+            loss = loss_fn(model(inputs), targets)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -137,11 +141,11 @@ def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, c
 
 def bare_rate(cfg: Config, device: torch.device) -> float:
     """Images/s of the bare loop, timed as train.py times itself: per epoch, mean over epochs 2+."""
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device)
     rates = []
     for epoch in range(cfg.epochs):
         start = time.perf_counter()
-        images = bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(epoch), cfg)
+        images = bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(epoch), loss)
         sync(device)
         rates.append(images / (time.perf_counter() - start))
     steady = rates[1:] or rates
@@ -154,7 +158,7 @@ def train_rate(cfg: Config) -> float:
 
     with contextlib.redirect_stdout(io.StringIO()):
         summary = train.train(cfg)
-    return float(summary["images_per_second"])
+    return float(summary["examples_per_second"])
 
 
 def measure_default_model(device_name: str, device: torch.device, epochs: int, repeats: int) -> dict:
@@ -170,11 +174,11 @@ def lr_find_seconds(cfg: Config, device: torch.device, num_iter: int) -> tuple[f
     """
     from lr_find import lr_find
 
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device, lr=1e-4)
 
     sync(device)
     start = time.perf_counter()
-    result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg), train_batches, start_lr=1e-4,
+    result = lr_find(model, optimizer, loss, train_batches, start_lr=1e-4,
                      end_lr=0.1, num_iter=num_iter, smooth=0.98, diverge=1e9, autocast_dtype=amp_dtype,
                      scaler=scaler, device=device)
     sync(device)
@@ -260,9 +264,9 @@ def stepping_cpu(run: Callable[[], object]) -> float:
 def host_bare(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
     """CPU seconds a step of the bare loop on the emulation, `steps` steps."""
     cfg = host_config(device_name, steps, out_dir)
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device)
     batches = train_batches.epoch(0)
-    return stepping_cpu(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, batches, cfg))
+    return stepping_cpu(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, batches, loss))
 
 
 def host_train(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
@@ -281,9 +285,9 @@ def host_bare_steps(device_name: str, device: torch.device, steps: int, out_dir:
     """CPU seconds of `steps` bare steps on a freshly built setup (setup not timed): lr_find's yardstick,
     which sweeps a fresh model the same way, its first steps' allocations included in both."""
     cfg = host_config(device_name, steps, out_dir)
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device, lr=1e-4)
     return cpu_seconds(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, train_batches.epoch(0),
-                                          cfg), device)
+                                          loss), device)
 
 
 def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
@@ -291,8 +295,7 @@ def host_lr_find(device_name: str, device: torch.device, steps: int, out_dir: st
     from lr_find import lr_find
 
     cfg = host_config(device_name, steps, out_dir)
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device, lr=1e-4)
-    loss = functools.partial(task.loss, cfg=cfg)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device, lr=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a suggestion or none: only the time counts here
         return cpu_seconds(lambda: lr_find(
@@ -399,14 +402,14 @@ def measure_cifar_model(device_name: str, device: torch.device, batch_size: int,
     With compile, the warm-up steps include the compilation, as train.py --compile's first epoch does.
     """
     cfg = cifar_config(device_name, batch_size, batch_size * (warmup + steps))
-    train_batches, model, optimizer, amp_dtype, scaler = setup(cfg, device)
+    train_batches, model, optimizer, amp_dtype, scaler, loss = setup(cfg, device)
     if compile:
         model = torch.compile(model)
     batches = list(train_batches.epoch(0))
-    bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], cfg)
+    bare_steps(model, optimizer, amp_dtype, scaler, device, batches[:warmup], loss)
     sync(device)
     start = time.perf_counter()
-    images = bare_steps(model, optimizer, amp_dtype, scaler, device, batches[warmup:], cfg)
+    images = bare_steps(model, optimizer, amp_dtype, scaler, device, batches[warmup:], loss)
     sync(device)
     return images / (time.perf_counter() - start)
 

@@ -84,6 +84,8 @@ class Config:
     augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
     flip: bool = setting(True, "images: left-right flips, only where they keep the label: cifar10, "
                          "cifar100, imagefolder, csv")
+    balance_classes: bool = setting(False, "draw training examples so that every class comes equally often "
+                                    "(with replacement; the same draws per seed and epoch, on resume too)")
     # model and optimizer
     model: str = setting("resnet_small", "a name in models.MODELS (resnet_small, resnet9, ...), or any "
                          "torchvision classification model name")

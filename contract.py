@@ -1,0 +1,162 @@
+"""The data contract: what a dataset must be for the task and the model, checked once at start-up,
+before any file is written. A fork whose data, task and model do not fit stops here in one line
+that names the shapes, dtypes or values, never with numbers that are quietly wrong later.
+
+task.TARGETS says what the task's loss takes:
+- "classes": integer class ids of any dtype, read as int64, in [0, classes): one per example ([N]),
+  or one per position ([N, *S], say per pixel), where the model gives [N, classes, *S];
+- "values": numbers, read as float32, shaped as the model's outputs; [N] is read as [N, 1] where
+  the model has one output.
+Targets whose last two dimensions are the images' height and width are dense: crops and flips move
+them with their images, and a crop's padding gets IGNORE_INDEX, which the task's loss and metrics skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from configs import UserError
+
+KINDS = ("classes", "values")  # what task.TARGETS may say
+IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
+SHOWN = 4  # bad values named in a refusal
+
+
+@dataclass
+class Targets:
+    """What the check found: how batches treat the targets, and what the task may want to know."""
+
+    kind: str  # task.TARGETS
+    dtype: torch.dtype  # what the loss gets: int64 class ids or float32 values
+    dense: bool  # one per pixel: the image steps move them too
+    class_counts: torch.Tensor | None  # training examples (pixels, if dense) per class; None: unknown
+    class_ids: torch.Tensor | None  # each training example's class (one per example), for balanced sampling
+
+
+def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None) -> tuple[Targets, str]:
+    """Each split's targets read as the task takes them (`splits` maps a split's name to an (inputs,
+    targets) pair, converted in place, or to a Dataset) and checked; returns what was found, and a
+    line saying what was checked. `image_size`: the images' (H, W), or None where inputs are not images."""
+    if kind not in KINDS:
+        raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
+    checked, every = [], {}  # every: a split's targets where all of them are known
+    for split, pair in splits.items():
+        if isinstance(pair, tuple):  # tensors: converted once here, checked whole
+            every[split] = targets = _read_as(pair[1], kind, len(names), split)
+            _check_finite(split, pair[0], targets)
+            splits[split] = (pair[0], targets)
+        elif (listed := getattr(pair, "targets", None)) is not None:  # ImageFolder's convention
+            every[split] = targets = _read_as(torch.as_tensor(listed), kind, len(names), split)
+        else:  # a Dataset that lists no targets: its first item's stand for the rest
+            targets = _read_as(torch.as_tensor(pair[0][1])[None], kind, len(names), split)
+        _check_values(targets, kind, len(names), split)
+        checked.append(f"{len(targets)} {split}" if split in every else f"{split}'s first")
+        if split == "train":
+            dense = _is_dense(targets[0], image_size)
+    counts = ids = None
+    if kind == "classes" and "train" in every:
+        ids = every["train"]
+        counts = torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
+    dtype = torch.int64 if kind == "classes" else torch.float32
+    what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
+    said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
+    return Targets(kind, dtype, dense, counts, None if dense else ids), said
+
+
+def check_model(model: nn.Module, batches, task, cfg, info) -> str:
+    """The split's first two examples through the model, in eval mode and without gradients (nothing
+    it holds changes), then through the task's loss: a forward that fails, outputs that do not fit the
+    targets, or a loss that is not one number is one line naming them. Returns what was seen."""
+    inputs, targets = batches.first(2)
+    given = f"{list(inputs.shape)} {_dtype(inputs)}"
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except Exception as err:  # any layer's complaint: wrong channels, dtype, rank, size
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first}; add a "
+                        "model for these inputs to MODELS in models.py and pass --model NAME") from None
+    finally:
+        model.train(training)
+    if not isinstance(outputs, torch.Tensor):
+        raise UserError(f"the model {cfg.model} returns a {type(outputs).__name__}, not a tensor of outputs")
+    classes, shape = batches.targets.kind == "classes", list(outputs.shape)
+    want = [shape[0], *shape[2:]] if classes else shape
+    if not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
+        each = "a class id per example (or per position)" if classes else "one value per output"
+        raise UserError(f"the model {cfg.model} gives outputs {shape} for {given} inputs, and the targets "
+                        f"are {list(targets.shape)}: the task takes {each}, {len(info.names)} outputs (one "
+                        "per name in the dataset's Source); make the model's outputs or the targets fit")
+    loss = task.loss(outputs.float(), targets, cfg, info)
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+        what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's "
+                        "summed loss (normalizer() says what it is divided by)")
+    return f"{cfg.model} takes {given} and gives {shape}"
+
+
+def as_taken(targets: torch.Tensor, spec: Targets) -> torch.Tensor:
+    """A batch's targets as the task takes them: tensor splits already are (no op then); a Dataset's
+    batches are converted here."""
+    if spec.kind == "values" and targets.ndim == 1:
+        targets = targets[:, None]
+    return targets.to(spec.dtype)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torch.Tensor:
+    """Targets in the dtype and shape the task takes, or one line saying why they cannot be."""
+    targets = torch.as_tensor(targets)
+    if kind == "classes":
+        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
+                            "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
+        return targets.long()
+    if targets.ndim == 1 and outputs == 1:  # one number per example for a one-output model
+        targets = targets[:, None]
+    elif targets.ndim == 1:
+        raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
+                        f"Source), and the {split} targets are {list(targets.shape)}: one each")
+    return targets.float()
+
+
+def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    for what, t in (("inputs", inputs), ("targets", targets)):
+        if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
+            bad = (~finite).flatten(1).any(1) if t.ndim > 1 else ~finite
+            raise UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(t)} examples "
+                            f"(the first: {bad.nonzero()[0].item()}): clean or drop them in the dataset")
+
+
+def _check_values(targets: torch.Tensor, kind: str, classes: int, split: str) -> None:
+    """Class ids in [0, classes) (dense ones may be IGNORE_INDEX)."""
+    if kind == "classes":
+        ok = (targets >= 0) & (targets < classes)
+        if targets.ndim > 1:
+            ok |= targets == IGNORE_INDEX
+        if not ok.all():
+            values, counts = targets[~ok].unique(return_counts=True)
+            bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(),
+                                                               strict=False))
+            one_based = targets.min() == 1 and targets.max() == classes
+            hint = (f"; they look like 1..{classes}: subtract 1" if one_based
+                    else "; one name per class in the dataset's Source, ids counted from 0")
+            raise UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
+                            f"{' and more' if len(values) > SHOWN else ''}{hint}")
+
+
+def _is_dense(sample: torch.Tensor, image_size: tuple | None) -> bool:
+    """One target per pixel: its last two dimensions are the image's height and width."""
+    return image_size is not None and sample.ndim >= 2 and tuple(sample.shape[-2:]) == tuple(image_size)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
