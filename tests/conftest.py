@@ -1,7 +1,9 @@
 import collections
 import contextlib
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,17 +18,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import data  # noqa: E402, F401  (fills configs.REGISTRIES, which parse_config reads)
-import models  # noqa: E402, F401
+
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # a dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None):
+# The tests of the machinery (resume, accumulation, faults, torchrun, signals, checkpoints) train with a
+# task of their own, whatever task.py holds: `import task` gives tests/machinery_task.py here, and the
+# scripts they start run through tests/launch.py, which does the same. The default task's own tests read
+# task.py as TEMPLATE_TASK, and skip where a fork has put another task there.
+import machinery_task  # noqa: E402
+
+sys.modules["task"] = machinery_task
+TEMPLATE_TASK = _module("template_task", ROOT / "task.py")
+default_task_only = pytest.mark.skipif(
+    TEMPLATE_TASK.NAME != "classification",
+    reason=f"task.py holds another task ({TEMPLATE_TASK.NAME!r}): the default task's own tests skip")
+LAUNCH = [sys.executable, str(ROOT / "tests" / "launch.py")]  # + "train.py", ...: with the machinery's task
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *LAUNCH[1:]]
+
+from entries import entries  # noqa: E402
+
+import data  # noqa: E402  (fills configs.REGISTRIES, which parse_config reads)
+import models  # noqa: E402
+
+
+def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None,
+               own_task: bool = False):
     """Run one of the project's scripts as a user would, from the repository root: `train.py`
-    as `python train.py`, a module such as `bench.speed` as `python -m bench.speed`."""
+    as `python train.py`, a module such as `bench.speed` as `python -m bench.speed`. train.py and
+    lr_find.py run with the machinery's task, unless `own_task` (task.py's, for the default task's tests)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    command = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
-    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    if not script.endswith(".py"):
+        command = [sys.executable, "-m", script]
+    else:
+        command = [sys.executable, str(ROOT / script)] if own_task else [*LAUNCH, script]
+    return subprocess.run([*command, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
@@ -66,13 +97,15 @@ FORKS = ROOT / "tests" / "forks"
 
 
 def make_fork(folder: Path, task: str | None = None, data: tuple[str, ...] = (),
-              model: tuple[str, ...] = ()) -> Path:
-    """A copy of the template edited as a fork would be: task.py replaced by tests/forks/TASK.py, each
-    forks/DATA.py dataset entry added at the end of data.py, each forks/MODEL.py model entry added to
-    models.py with its line in MODELS. Nothing else changes."""
+              model: tuple[str, ...] = (), tests: bool = False) -> Path:
+    """A copy of the template edited as a fork would be, the way the README says: task.py replaced by
+    tests/forks/TASK.py, each forks/DATA.py dataset entry added at the end of data.py, each
+    forks/MODEL.py model class written above MODELS in models.py and its line added to MODELS. Nothing
+    else changes. `tests`: the copy has the template's tests, docs and benchmarks too."""
     project = Path(folder) / "fork"
-    skip = shutil.ignore_patterns(".*", "runs", "data", "tests", "docs", "bench", "__pycache__", "mutants")
-    shutil.copytree(ROOT, project, ignore=skip)
+    left_out = [".*", "runs", "data", "__pycache__", "mutants"]
+    left_out += [] if tests else ["tests", "docs", "bench"]
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*left_out))
     if task:
         shutil.copy(FORKS / f"{task}.py", project / "task.py")
     for name in data:
@@ -81,24 +114,24 @@ def make_fork(folder: Path, task: str | None = None, data: tuple[str, ...] = (),
     for name in model:
         snippet = (FORKS / f"{name}.py").read_text()
         cls = snippet.split("class ", 1)[1].split("(", 1)[0]
-        with open(project / "models.py", "a") as f:
-            f.write(f"\n\n{snippet}\n\nMODELS[{cls.lower()!r}] = {cls}\n")
+        source = (project / "models.py").read_text()
+        registry = source.index("# Our own models by name")
+        source = source[:registry] + snippet + "\n\n" + source[registry:]
+        source = re.sub(r"(^MODELS = \{\n.*?)(^\}\n)", rf'\1    "{cls.lower()}": {cls},\n\2', source,
+                        count=1, flags=re.S | re.M)
+        (project / "models.py").write_text(source)
     return project
 
 
 def add_entries(monkeypatch, *names: str) -> None:
     """In this process, the dataset and model entries of tests/forks/NAME.py, as make_fork adds them
     to a copy (each runs in its module's names), undone when the test ends."""
-
     for name in names:
-        module = models if name.endswith("_model") else data
-        scope = {**vars(module), "DATASETS": {}, "MODELS": {}}
-        exec((FORKS / f"{name}.py").read_text(), scope)
-        for key, value in scope["DATASETS"].items():
+        datasets, found = entries(name)
+        for key, value in datasets.items():
             monkeypatch.setitem(data.DATASETS, key, value)
-        for key, value in scope.items():
-            if isinstance(value, type) and issubclass(value, models.nn.Module) and key not in vars(models):
-                monkeypatch.setitem(models.MODELS, key.lower(), value)
+        for key, value in found.items():
+            monkeypatch.setitem(models.MODELS, key, value)
 
 
 class Ops(TorchDispatchMode):

@@ -76,6 +76,8 @@ PYTHON_BLOCKS = {
     "class TinyNet(nn.Sequential):": "test_models.py::test_a_model_added_as_the_readme_says_trains_by_name",
     "MODELS = {": "test_models.py::test_a_model_added_as_the_readme_says_trains_by_name",
     "OPTIMIZERS = {": "test_models.py::test_the_readme_lists_the_registries_as_they_are",
+    "from models import load_trained  # from the template's folder: it builds the model as train.py does":
+        "test_docs.py::test_the_load_trained_lines_run",
 }
 
 SHELL = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "tensorboard ")
@@ -308,3 +310,14 @@ def test_the_batch_loss_lines_run():
                  "loader": torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)}
         exec(line, scope)
         assert scope["found"].suggestion is not None, line
+
+
+def test_the_load_trained_lines_run(tmp_path, monkeypatch, capsys):
+    """docs/training.md's own-code lines on a checkpoint train.py just saved: the digits it names."""
+    code, _, err = run_main(monkeypatch, capsys, "--epochs", "2", "--width", "8", "--out-dir", tmp_path)
+    assert code == 0, err
+    block = next(body for lang, body in blocks(read("docs/training.md"))
+                 if lang == "python" and "load_trained" in body)
+    exec(block.replace("runs/default/best.pt", str(tmp_path / "best.pt")), {})
+    named = eval(capsys.readouterr().out.strip())
+    assert len(named) == 8 and set(named) <= set("0123456789") and len(set(named)) > 2

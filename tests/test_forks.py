@@ -5,6 +5,7 @@ SIGTERM and --resume to the same weights, --evaluate, TensorBoard."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,3 +101,24 @@ def test_a_signal_fork_adds_a_dataset_and_a_model(tmp_path):
     assert summary["best_val_acc"] > 0.5  # four classes: chance is 0.25
     assert list(summary["per_class_acc"]) == ["2 Hz", "5 Hz", "8 Hz", "11 Hz"]
     assert torch.load(project / "run" / "best.pt", weights_only=True)["task"] == "classification"
+
+
+# The machinery tests a fork's copy runs (each brings its own task and data, so task.py does not matter):
+# accumulation and torchrun, host reads per step, the data contract, and the bad-input cases.
+MACHINERY = ["tests/test_accumulation.py", "tests/test_sync.py", "tests/test_contract.py",
+             "tests/test_faults.py::test_bad_input_is_one_line_and_touches_no_checkpoint"]
+
+
+def test_a_task_fork_keeps_the_machinery_tests(tmp_path):
+    """The README's regression fork, made in a copy of the template with its tests: task.py replaced, a
+    dataset and a model added. The machinery tests pass there as here; those of the default task skip."""
+    project = make_fork(tmp_path, "regression", data=("regression_data",), model=("signals_model",),
+                        tests=True)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs", "-p",
+                             "no:cacheprovider", *MACHINERY], cwd=project, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    said = re.findall(r"(\d+) (passed|skipped|failed|errors?)\b", result.stdout)
+    counts = {word: int(n) for n, word in said}
+    assert counts["passed"] > 60 and counts.keys() <= {"passed", "skipped"}, counts
+    assert "task.py holds another task ('regression')" in result.stdout, result.stdout[-2000:]

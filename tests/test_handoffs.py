@@ -7,11 +7,10 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, crash_at_step, run_main, run_script
+from conftest import ROOT, TORCHRUN, crash_at_step, run_main, run_script
 from test_resume import assert_same_state, final_state
 
 import checkpoints
@@ -130,8 +129,7 @@ def test_lr_find_without_a_suggestion_is_one_line(tmp_path, monkeypatch, capsys)
 def test_lr_find_under_torchrun_rank_0_sweeps_and_all_train_with_its_rate(tmp_path):
     argv = [*TINY, "--synthetic-size", "256", "--epochs", "1", "--find-iters", "10", "--lr", "find",
             "--out-dir", str(tmp_path)]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node=2", "train.py", *argv], cwd=ROOT, capture_output=True,
+    result = subprocess.run([*TORCHRUN, "train.py", *argv], cwd=ROOT, capture_output=True,
                             text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("lr find:") == 1 and "rank 0 alone, 2x its batches" in result.stdout

@@ -65,7 +65,7 @@ def bare_loop(cfg) -> None:
         for _ in range(k):
             inputs, targets = next(stream)
             with autocast(device, amp_dtype):
-                loss = task.loss(model(inputs), targets, cfg)
+                loss = task.loss(model(inputs), targets, cfg, info) / task.normalizer(targets, cfg, info)
             loss = loss / k if k > 1 else loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is None:

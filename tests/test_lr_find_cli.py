@@ -7,10 +7,9 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, read_scalars
+from conftest import ROOT, TORCHRUN, read_scalars
 
 import lr_find
 import task
@@ -119,9 +118,9 @@ def test_a_failed_write_names_the_file(tmp_path, capsys):
 
 def test_under_torchrun_rank_0_sweeps_once_and_nothing_fails(tmp_path):
     """A non-zero exit makes torchrun print its own traceback; one sweep is all that is needed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "lr_find.py", "--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8",
-               "--width", "4", "--find-iters", "12", "--device", "cpu", "--out-dir", str(tmp_path)]
+    command = [*TORCHRUN, "lr_find.py", "--dataset", "synthetic", "--synthetic-size", "256",
+               "--image-size", "8", "--width", "4", "--find-iters", "12", "--device", "cpu",
+               "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,10 +6,9 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, fingerprint, run_main, run_script
+from conftest import LAUNCH, ROOT, TORCHRUN, fingerprint, run_main, run_script
 
 import checkpoints
 import task
@@ -86,7 +85,7 @@ def test_compile_without_a_cpp_compiler_is_one_line(tmp_path):
     path = tmp_path / "bin"
     path.mkdir()  # a PATH without g++, c++ or clang++
     env = {"PATH": str(path), "HOME": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
-    command = [sys.executable, "train.py", *TINY, "--compile", "--out-dir", str(tmp_path / "run")]
+    command = [*LAUNCH, "train.py", *TINY, "--compile", "--out-dir", str(tmp_path / "run")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert "--compile failed" in result.stderr and "run without --compile" in result.stderr
@@ -95,8 +94,7 @@ def test_compile_without_a_cpp_compiler_is_one_line(tmp_path):
 def test_under_torchrun_the_error_is_the_root_cause(tmp_path):
     """torchrun always prints its own traceback and summary when a worker fails; the summary's root
     cause is the one line, from the error file torchrun reads."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "train.py", *TINY, "--epochs", "0", "--out-dir", str(tmp_path)]
+    command = [*TORCHRUN, "train.py", *TINY, "--epochs", "0", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0

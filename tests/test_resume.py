@@ -5,13 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import LAUNCH, ROOT, TORCHRUN, run_script
 
 import checkpoints
 from configs import UserError
@@ -110,7 +109,7 @@ def test_kill_9_mid_epoch_then_resume_is_bit_identical(tmp_path):
     run = [*RUN, "--dropout", "0.25"]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     assert run_script("train.py", *run, "--out-dir", str(straight)).returncode == 0
-    kill_after_first_save([sys.executable, "train.py", *run, "--out-dir", str(broken),
+    kill_after_first_save([*LAUNCH, "train.py", *run, "--out-dir", str(broken),
                            "--save-every", "5"], broken / "last.pt")
     saved = checkpoints.load_checkpoint(broken / "last.pt")
     assert 0 < saved["step"] < 48 and saved["run"]["batch"] % 16 != 0, "the kill did not land mid-epoch"
@@ -121,7 +120,7 @@ def test_kill_9_mid_epoch_then_resume_is_bit_identical(tmp_path):
 
 
 def test_sigterm_saves_before_exiting(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", *RUN, "--epochs", "50", "--out-dir",
+    proc = subprocess.Popen([*LAUNCH, "train.py", *RUN, "--epochs", "50", "--out-dir",
                              str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "last.pt").exists() and time.monotonic() < deadline:
@@ -209,8 +208,7 @@ def test_resume_refuses_a_different_config(tmp_path, script):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "train.py"]
+TRAIN = [*TORCHRUN, "train.py"]
 DDP_RUN = ["--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8", "--width", "8",
            "--batch-size", "32", "--epochs", "2", "--device", "cpu", "--log-every", "2",
            "--num-workers", "0", "--dropout", "0.25"]
@@ -218,7 +216,7 @@ DDP_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def torchrun(*args, timeout=240):
-    return subprocess.run([*TORCHRUN, *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*TRAIN, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **DDP_ENV})
 
 
@@ -234,7 +232,7 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
     assert [f for f in files if f.startswith("events.out")].__len__() == 1
     assert [f for f in files if f.endswith(".pt")] == ["best.pt", "last.pt"]
 
-    kill_after_first_save([*TORCHRUN, *DDP_RUN, "--out-dir", str(broken), "--save-every", "3"],
+    kill_after_first_save([*TRAIN, *DDP_RUN, "--out-dir", str(broken), "--save-every", "3"],
                           broken / "last.pt", env=DDP_ENV)
     saved_step = checkpoints.load_checkpoint(broken / "last.pt")["step"]
     assert saved_step < summary["steps"]

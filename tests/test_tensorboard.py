@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -79,7 +80,8 @@ def test_a_default_run_shows_its_inputs_its_confusion_and_its_worst_mistakes(tmp
 
 
 def test_tally_counts_on_the_device_and_keeps_the_most_confident_mistakes():
-    tally = task.Tally(parse_config([]), ["a", "b", "c"], torch.device("cpu"), keep=2)
+    info = SimpleNamespace(names=["a", "b", "c"], class_counts=None)  # what a Tally reads of data.DataInfo
+    tally = task.Tally(parse_config([]), info, torch.device("cpu"), keep=2)
     logits = torch.tensor([[5.0, 0, 0], [0, 4, 0], [0, 0, 9], [1, 0, 0], [0, 0, 3]])
     targets = torch.tensor([0, 0, 1, 2, 2])
     images = torch.arange(5.0).view(5, 1, 1, 1)

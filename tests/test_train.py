@@ -15,14 +15,14 @@ from configs import parse_config
 
 TAGS = {"train/loss", "train/lr", "val/loss", "val/acc"}
 SUMMARY_KEYS = {"val_acc", "val_loss", "best_val_acc", "epochs", "steps", "seconds",
-                "images_per_second"}
+                "examples_per_second"}
 
 
 def check_outputs(out_dir, epochs: int = 1):
     summary = json.loads((out_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["epochs"] == epochs and summary["steps"] > 0
-    assert 0 <= summary["val_acc"] <= 1 and summary["images_per_second"] > 0
+    assert 0 <= summary["val_acc"] <= 1 and summary["examples_per_second"] > 0
     scalars = read_scalars(out_dir)
     assert TAGS <= scalars.keys()
     assert len(scalars["val/acc"]) == epochs

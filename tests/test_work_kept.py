@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, fingerprint, run_main, run_script
+from conftest import LAUNCH, ROOT, fingerprint, run_main, run_script
 
 import checkpoints
 import train
@@ -64,7 +64,7 @@ def test_resume_into_another_unfinished_run_is_refused(tmp_path, monkeypatch, ca
 
 def test_a_second_run_in_the_folder_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "train.py", *TINY, "--epochs", "500", "--save-every", "2",
+    first = subprocess.Popen([*LAUNCH, "train.py", *TINY, "--epochs", "500", "--save-every", "2",
                               "--out-dir", str(out)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -137,7 +137,7 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(tmp_path, monkeypat
 def interrupt(argv: list[str], out_dir: Path, sig: int, group: bool = False) -> subprocess.CompletedProcess:
     """train.py ARGV, sent `sig` once its first checkpoint is on disk (to its whole process group,
     DataLoader workers included, with group), and waited for."""
-    proc = subprocess.Popen([sys.executable, "train.py", *argv, "--out-dir", str(out_dir)], cwd=ROOT,
+    proc = subprocess.Popen([*LAUNCH, "train.py", *argv, "--out-dir", str(out_dir)], cwd=ROOT,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=group)
     deadline = time.monotonic() + 120
@@ -241,3 +241,19 @@ def test_torch_loads_a_checkpoint_written_while_signals_are_held(tmp_path):
     train.train(parse_config([*TINY, "--epochs", "1", "--out-dir", str(tmp_path)]))
     assert torch.load(tmp_path / "last.pt", weights_only=True)["data"] == {
         "train_size": 64, "batches": 4, "names": ["0", "1"]}
+
+
+def test_a_closed_output_stops_the_run_after_its_save(tmp_path):
+    """`python train.py | head`: the reader ends after the first epoch's line; the next line, epoch 2's,
+    comes after epoch 2's save, so its work is kept, and the run ends as SIGPIPE would end it, in one
+    line on stderr (a BrokenPipeError traceback, and epoch 2 lost, before)."""
+    proc = subprocess.Popen([*LAUNCH, "train.py", *TINY, "--epochs", "3", "--out-dir", str(tmp_path)],
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    while not proc.stdout.readline().startswith("epoch 1/"):
+        pass
+    proc.stdout.close()  # as head does once it has its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
+    assert err.startswith("error: the output was closed") and err.count("\n") == 1, err
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["run"]["epoch"] == 2

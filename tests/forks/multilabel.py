@@ -14,13 +14,19 @@ from logs import image_grid
 
 NAME = "multilabel"
 METRICS = ("loss", "f1")
+TARGETS = "values"  # one number per output
 MAIN_METRIC, HIGHER_IS_BETTER = "f1", True
 SAVED_PICTURES = ()
 THRESHOLD = 0.5
 
 
-def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(outputs.float(), targets)
+def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
+    """Each example's mean binary cross-entropy over its labels, summed over the examples."""
+    return F.binary_cross_entropy_with_logits(outputs.float(), targets, reduction="sum") / outputs.shape[1]
+
+
+def normalizer(targets: torch.Tensor, cfg, info) -> int:
+    return len(targets)
 
 
 def show(name: str, value: float) -> str:
@@ -36,14 +42,14 @@ class Evaluation:
 class Tally:
     """The loss sum and, per label, true positives, false positives and false negatives."""
 
-    def __init__(self, cfg, names: list[str], device: torch.device):
-        self.cfg, self.names = cfg, names
-        self.sums = torch.zeros(2 + 3 * len(names), device=device)  # loss, count, then tp, fp, fn
+    def __init__(self, cfg, info, device: torch.device):
+        self.cfg, self.info, self.names = cfg, info, info.names
+        self.sums = torch.zeros(2 + 3 * len(self.names), device=device)  # loss, count, then tp, fp, fn
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
         outputs, n = outputs.float(), len(self.names)
         predicted, truth = outputs.sigmoid() > THRESHOLD, targets > 0.5
-        self.sums[0] += loss(outputs, targets, self.cfg) * len(targets)
+        self.sums[0] += loss(outputs, targets, self.cfg, self.info)
         self.sums[1] += len(targets)
         self.sums[2:2 + n] += (predicted & truth).sum(0)
         self.sums[2 + n:2 + 2 * n] += (predicted & ~truth).sum(0)

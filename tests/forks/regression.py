@@ -15,12 +15,18 @@ from logs import image_grid
 
 NAME = "regression"
 METRICS = ("loss", "mae")
+TARGETS = "values"  # one number per output
 MAIN_METRIC, HIGHER_IS_BETTER = "mae", False
 SAVED_PICTURES = ()
 
 
-def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
-    return F.mse_loss(outputs.float(), targets)
+def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
+    """Each example's mean squared error over the outputs, summed over the examples."""
+    return F.mse_loss(outputs.float(), targets, reduction="sum") / outputs.shape[1]
+
+
+def normalizer(targets: torch.Tensor, cfg, info) -> int:
+    return len(targets)
 
 
 def show(name: str, value: float) -> str:
@@ -36,9 +42,9 @@ class Evaluation:
 class Tally:
     """Squared and absolute error sums and the count, on the device until result()."""
 
-    def __init__(self, cfg, names: list[str], device: torch.device):
-        self.cfg, self.names = cfg, names
-        self.sums = torch.zeros(3 + len(names), device=device)  # squared, absolute, count, then per output
+    def __init__(self, cfg, info, device: torch.device):
+        self.cfg, self.info, self.names = cfg, info, info.names
+        self.sums = torch.zeros(3 + len(self.names), device=device)  # squared, absolute, count, per output
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
         error = outputs.float() - targets

@@ -1,0 +1,32 @@
+"""`python tests/launch.py [--task NAME] [--entries A,B] SCRIPT ARGS...`: one of the template's scripts
+(train.py, lr_find.py) run as `python SCRIPT ARGS...` would run it, with the machinery tests' own task in
+place of task.py (or tests/forks/NAME.py), and the dataset and model entries of tests/forks/A.py, B.py
+added: the tests that start scripts (signals, torchrun, command lines) pass whatever task.py holds."""
+
+import importlib
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from entries import entries  # noqa: E402
+
+import data  # noqa: E402 (after the path it is found on)
+import models  # noqa: E402
+
+args = sys.argv[1:]
+task = "machinery_task"
+while args[0].startswith("--"):
+    option, value, *args = args
+    if option == "--task":
+        task = f"forks.{value}"
+    for name in value.split(",") if option == "--entries" else ():
+        datasets, found = entries(name)
+        data.DATASETS.update(datasets)
+        models.MODELS.update(found)
+sys.modules["task"] = importlib.import_module(task)
+script = str(ROOT / args[0])
+sys.argv = [script, *args[1:]]
+runpy.run_path(script, run_name="__main__")
