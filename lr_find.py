@@ -80,16 +80,20 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
-    def window_losses(window: list) -> Iterator[torch.Tensor]:
-        """Each batch's loss divided so that they add up to the window's mean: by the window's normalizer,
-        without one by the number of batches. Lazily, so that one graph at a time is held."""
+    def window_losses(window: list) -> tuple[torch.Tensor | int, Iterator[torch.Tensor]]:
+        """The window's divisor (its normalizers' sum; without a normalizer, its number of batches), and
+        each batch's loss, lazily, so that one graph at a time is held: their sum over the divisor is the
+        window's mean."""
         window = [_to_device(batch, device) for batch in window]
         divisor = len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
-        for batch in window:
-            with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
-                loss = batch_loss(model, batch) if batch_loss else loss_fn(
-                    *_outputs_and_targets(model, batch))
-            yield loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
+
+        def losses() -> Iterator[torch.Tensor]:
+            for batch in window:
+                with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
+                    yield (batch_loss(model, batch) if batch_loss
+                           else loss_fn(*_outputs_and_targets(model, batch)))
+
+        return divisor, losses()
 
     restore, moved = _snapshot(model, optimizer, scaler)
     batches, taken, put_back = _cycle(loader), [], []
@@ -556,7 +560,8 @@ def _sweep(model, optimizer, window_losses, batches, val_loader, plan, device, s
             window = list(val_loader)
             if not window:
                 raise ValueError("val_loader is empty: it yielded no batches")
-            total = sum(loss.detach().float() for loss in window_losses(window))
+            divisor, each = window_losses(window)
+            total = sum(loss.detach().float() for loss in each) / divisor
         model.train()
         return total
 
@@ -569,7 +574,9 @@ def _sweep(model, optimizer, window_losses, batches, val_loader, plan, device, s
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         total = None  # the training loss: the window's mean, as one big batch would give
-        for loss in window_losses([next(batches) for _ in range(accum_steps)]):
+        divisor, each = window_losses([next(batches) for _ in range(accum_steps)])
+        for loss in each:
+            loss = loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
             total = loss.detach().float() if total is None else total + loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:

@@ -27,17 +27,18 @@ def _module(name: str, path: Path):
 
 
 # The tests of the machinery (resume, accumulation, faults, torchrun, signals, checkpoints) train with a
-# task of their own, whatever task.py holds: `import task` gives tests/machinery_task.py here, and the
-# scripts they start run through tests/launch.py, which does the same. The default task's own tests read
-# task.py as TEMPLATE_TASK, and skip where a fork has put another task there.
-import machinery_task  # noqa: E402
+# task of their own, whatever task.py holds: the default task as the template ships it, kept word for word
+# in tests/forks/classification.py (tests/test_tasks.py checks it). `import task` gives that copy here, and
+# the scripts they start run through tests/launch.py, which does the same. The default task's own tests
+# read task.py itself, TEMPLATE_TASK, and skip where a fork has put another task there.
+from forks import classification  # noqa: E402
 
-sys.modules["task"] = machinery_task
+sys.modules["task"] = classification
 TEMPLATE_TASK = _module("template_task", ROOT / "task.py")
 default_task_only = pytest.mark.skipif(
     TEMPLATE_TASK.NAME != "classification",
     reason=f"task.py holds another task ({TEMPLATE_TASK.NAME!r}): the default task's own tests skip")
-LAUNCH = [sys.executable, str(ROOT / "tests" / "launch.py")]  # + "train.py", ...: with the machinery's task
+LAUNCH = [sys.executable, str(ROOT / "tests" / "launch.py")]  # + "train.py", ...: with the kept task
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *LAUNCH[1:]]
 
 from entries import entries  # noqa: E402
@@ -50,7 +51,7 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
                own_task: bool = False):
     """Run one of the project's scripts as a user would, from the repository root: `train.py`
     as `python train.py`, a module such as `bench.speed` as `python -m bench.speed`. train.py and
-    lr_find.py run with the machinery's task, unless `own_task` (task.py's, for the default task's tests)."""
+    lr_find.py run with the kept default task, unless `own_task` (task.py's, for the default task's tests)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if not script.endswith(".py"):
         command = [sys.executable, "-m", script]

@@ -1,7 +1,8 @@
 """`python tests/launch.py [--task NAME] [--entries A,B] SCRIPT ARGS...`: one of the template's scripts
-(train.py, lr_find.py) run as `python SCRIPT ARGS...` would run it, with the machinery tests' own task in
-place of task.py (or tests/forks/NAME.py), and the dataset and model entries of tests/forks/A.py, B.py
-added: the tests that start scripts (signals, torchrun, command lines) pass whatever task.py holds."""
+(train.py, lr_find.py) run as `python SCRIPT ARGS...` would run it, with tests/forks/NAME.py in place of
+task.py (by default the default task's kept copy, classification.py, as conftest.py does for the tests
+themselves), and the dataset and model entries of tests/forks/A.py, B.py added: the tests that start
+scripts (signals, torchrun, command lines) pass whatever task.py holds."""
 
 import importlib
 import runpy
@@ -17,7 +18,7 @@ import data  # noqa: E402 (after the path it is found on)
 import models  # noqa: E402
 
 args = sys.argv[1:]
-task = "machinery_task"
+task = "forks.classification"
 while args[0].startswith("--"):
     option, value, *args = args
     if option == "--task":

@@ -245,12 +245,12 @@ def test_a_model_that_cannot_take_the_inputs_is_one_line_before_any_file(script,
 
 
 def test_a_loss_that_is_not_one_number_is_refused(monkeypatch, tmp_path):
-    import machinery_task
+    import task
 
-    monkeypatch.setattr(machinery_task, "loss", lambda outputs, targets, cfg, info: outputs.sum(1))
+    monkeypatch.setattr(task, "loss", lambda outputs, targets, cfg, info: outputs.sum(1))
     with pytest.raises(ValueError, match=r"task.loss returns \[2\] for a batch of 2: it must return one"):
         train.train(parse_config(["--dataset", "digits", *TINY, "--out-dir", str(tmp_path)]), None,
-                    machinery_task)
+                    task)
 
 
 # ---------------------------------------------------------------- what the task gets, what is recorded
@@ -335,8 +335,8 @@ def test_evaluate_checks_the_task_and_the_classes(tmp_path, monkeypatch, capsys)
     ckpt = torch.load(run / "best.pt", weights_only=True)
     torch.save({**ckpt, "task": "regression"}, tmp_path / "other.pt")
     code, out, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "other.pt")
-    assert "was trained for the task 'regression', and task.py is 'machinery'" in assert_one_line_failure(
-        code, out, err)
+    line = assert_one_line_failure(code, out, err)
+    assert "was trained for the task 'regression', and task.py is 'classification'" in line
     assert not list(run.glob("eval*")) and not list(tmp_path.glob("eval*"))
     code, out, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt")
     assert code == 0 and json.loads((run / "eval.json").read_text())["val_acc"] >= 0

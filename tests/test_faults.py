@@ -258,9 +258,9 @@ def test_loss_far_above_its_start_stops_the_run(tmp_path, monkeypatch, capsys):
     real = task.loss
     calls = [0]
 
-    def exploding(*args, **kwargs):  # the task's loss: training's first 4 batches, then val's too
-        calls[0] += 1
-        return real(*args, **kwargs) * (1 if calls[0] <= 4 else 100)
+    def exploding(*args, **kwargs):  # the task's loss: the start-up check's batch and training's first 4,
+        calls[0] += 1                 # then 100 times larger (val's too)
+        return real(*args, **kwargs) * (1 if calls[0] <= 5 else 100)
 
     monkeypatch.setattr(task, "loss", exploding)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "2", "--log-every", "2",

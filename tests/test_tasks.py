@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from conftest import add_entries, crash_at_step, fingerprint
+from conftest import ROOT, add_entries, crash_at_step, default_task_only, fingerprint
 from forks import multilabel, regression
 from test_resume import assert_same_state, final_state
 from test_sync import per_step
@@ -115,3 +115,13 @@ def test_a_diverged_run_is_one_line_and_keeps_its_checkpoint(case, tmp_path, mon
     monkeypatch.setattr(train, "optimizer_step", real)
     summary = quietly(["--resume", "--out-dir", str(tmp_path)], task)
     assert summary["parts"] == 2 and summary["steps"] > 2
+
+
+@default_task_only
+def test_the_kept_default_task_is_task_py_word_for_word():
+    """The machinery tests train with tests/forks/classification.py (conftest.py), so that they pass in a
+    fork whatever its task.py holds: in the template, it is task.py exactly."""
+    kept = (ROOT / "tests" / "forks" / "classification.py").read_text()
+    shipped = (ROOT / "task.py").read_text()
+    assert kept == shipped, ("task.py changed: copy it over tests/forks/classification.py, or give the new "
+                             "task a NAME of its own")

@@ -1,0 +1,153 @@
+"""The task: what the model's outputs mean. To train for another task, this is the file to edit.
+
+It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a
+prediction is (a row of --predict's predictions.csv). Every path that computes a loss or a metric
+calls these: the training loop, `--lr find` and `python lr_find.py`, evaluation, `--evaluate`, the
+benchmarks. The rest of the template (resume, torchrun, checkpoints, logs) reads only the names
+defined here, so it works for any task that defines them. This one is single-label classification:
+cross-entropy, accuracy, a confusion matrix and the most confidently wrong images. tests/forks/
+holds two other tasks written this way (regression, multi-label), which the machinery tests run too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from contract import IGNORE_INDEX
+from logs import confusion_picture, image_grid
+
+NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
+TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
+METRICS = ("loss", "acc")  # TensorBoard val/<name>, summary.json val_<name>, in this order
+MAIN_METRIC, HIGHER_IS_BETTER = "acc", True  # best.pt is the checkpoint with the best val acc
+SAVED_PICTURES = ("confusion",)  # also written as confusion.png (eval_confusion.png by --evaluate)
+WORST_SHOWN = 16  # the most confidently wrong validation images in their picture
+INPUTS_SHOWN = 32  # training images in the picture of what the model receives
+
+
+def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
+    """The batch's loss summed over what `normalizer` counts: what training minimizes, lr_find sweeps
+    and evaluation reports, each divided once by the normalizers' sum over all the batches they take
+    together (an optimizer step's micro-batches and processes, a whole evaluation). A mean within the
+    batch would weigh a weighted or masked batch wrongly. `info`: data.DataInfo (class_counts, ...)."""
+    return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def normalizer(targets: torch.Tensor, cfg, info) -> int | torch.Tensor:
+    """What loss() sums over: the examples; per-pixel targets count their pixels but a crop's padding
+    (a tensor, as it depends on the values: never read on the host)."""
+    return len(targets) if targets.ndim == 1 else (targets != IGNORE_INDEX).sum()
+
+
+def show(name: str, value: float) -> str:
+    """How a metric is printed."""
+    return f"{value:.2%}" if name == "acc" else f"{value:.4f}"
+
+
+@dataclass
+class Evaluation:
+    """One pass over the validation split, read from the device once (in Tally.result)."""
+
+    metrics: dict[str, float]  # every name in METRICS
+    details: dict = field(default_factory=dict)  # more for summary.json and eval.json
+    worst: tuple | None = None  # (confidence, inputs, targets, predictions), still on the device
+
+
+class Tally:
+    """Loss and normalizer sums, confusion matrix and the most confidently wrong examples of one
+    validation pass, kept on the device: a read per batch would wait for the device every batch. Per-pixel
+    targets count each pixel (a crop's padding none). Under torchrun the sums are summed over processes;
+    the wrong examples are this process's shard's."""
+
+    def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
+        self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
+        self.sums = torch.zeros(2 + len(self.names) ** 2, device=device)  # loss, normalizer, confusion matrix
+        self.worst: tuple | None = None
+
+    def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
+        outputs, n = outputs.float(), len(self.names)
+        self.sums[0] += loss(outputs, targets, self.cfg, self.info)
+        self.sums[1] += normalizer(targets, self.cfg, self.info)
+        predicted, counted = outputs.argmax(1), targets != IGNORE_INDEX
+        cells = torch.where(counted, targets * n + predicted, 0).flatten()  # indexing by a mask would sync
+        self.sums[2:].index_add_(0, cells, counted.flatten().float())
+        if targets.ndim == 1:  # one class per example: its confidence says which were wrong
+            self._keep_worst(outputs, targets, inputs, predicted)
+
+    def _keep_worst(self, outputs, targets, inputs, predicted) -> None:
+        confidence = outputs.softmax(1).amax(1).masked_fill_(predicted == targets, -1.0)  # -1: right
+        top = confidence.topk(min(self.keep, len(targets))).indices
+        batch = (confidence[top], inputs[top], targets[top], predicted[top])
+        if self.worst is not None:
+            batch = tuple(torch.cat(pair) for pair in zip(self.worst, batch, strict=True))
+            top = batch[0].topk(min(self.keep, len(batch[0]))).indices
+            batch = tuple(t[top] for t in batch)
+        self.worst = batch
+
+    def result(self, reduce=lambda sums: sums) -> Evaluation:
+        """The metrics, after `reduce` (a sum over torchrun's processes) of the device's sums."""
+        values, n = reduce(self.sums).tolist(), len(self.names)
+        confusion = [[round(v) for v in values[2 + r * n: 2 + (r + 1) * n]] for r in range(n)]
+        count = sum(map(sum, confusion))
+        correct = sum(confusion[i][i] for i in range(n))
+        per_class = [row[i] / sum(row) if sum(row) else None for i, row in enumerate(confusion)]
+        return Evaluation({"loss": values[0] / values[1], "acc": correct / count},
+                          {"per_class_acc": dict(zip(self.names, per_class, strict=True)),
+                           "confusion": confusion}, self.worst)
+
+
+def describe(val: Evaluation) -> str:
+    """The line each epoch ends with: "val loss 0.1234  val acc 96.00%"."""
+    return "  ".join(f"val {name} {show(name, val.metrics[name])}" for name in METRICS)
+
+
+def report(val: Evaluation) -> list[str]:
+    """--evaluate's lines below `describe`'s: each class's accuracy."""
+    return [f"{name:>12}  {'no examples' if acc is None else show('acc', acc)}"
+            for name, acc in val.details["per_class_acc"].items()]
+
+
+def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[list[str], list[list]]:
+    """--predict's columns (after `file`) and a row per input: the most likely class and its softmax
+    probability, then the next most likely ones, top_k in all (at most one per class)."""
+    k = min(top_k, len(names))
+    probabilities, classes = outputs.float().softmax(1).topk(k, 1)
+    header = ["class", "probability", *(f"{what}_{i}" for i in range(2, k + 1)
+                                         for what in ("class", "probability"))]
+    rows = [[value for c, p in zip(row, chances, strict=True) for value in (names[c], p)]
+            for row, chances in zip(classes.tolist(), probabilities.tolist(), strict=True)]
+    return header, rows
+
+
+# ---------------------------------------------------------------- pictures
+# `pixels` turns a batch as the model receives it back into [0, 1] images; it is None where the
+# inputs are not images, and the pictures that show inputs are skipped.
+
+def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], pixels):
+    """A training batch as the model receives it (after crop, flip, resize), each with its label."""
+    if pixels is None:
+        return None
+    captions = [names[t] for t in targets[:INPUTS_SHOWN].tolist()]
+    return image_grid(pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
+
+
+def pictures(val: Evaluation, names: list[str], pixels) -> dict:
+    """After each evaluation: the confusion matrix and the most confidently wrong images."""
+    shown = {"confusion": confusion_picture(val.details["confusion"], names)}
+    if pixels is not None and val.worst is not None:
+        confidence, inputs, targets, predicted = val.worst
+        wrong = [i for i, c in enumerate(confidence.tolist()) if c >= 0]  # -1 marks right answers
+        if wrong:
+            captions = [f"{names[t]} as {names[p]} {c:.0%}" for c, t, p in zip(
+                confidence[wrong].tolist(), targets[wrong].tolist(), predicted[wrong].tolist(), strict=True)]
+            shown["most_confidently_wrong"] = image_grid(pixels(inputs).cpu()[wrong], captions)
+    return shown
+
+
+def pictures_note(images: bool) -> str | None:
+    """Said once at start-up when some pictures cannot be drawn for this data."""
+    return None if images else "the inputs are not images: TensorBoard shows no input or wrong-input pictures"
