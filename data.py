@@ -100,12 +100,23 @@ def image_folder(cfg: Config) -> Source:
     if missing := [root / split for split in splits if not (root / split).is_dir()]:
         raise UserError(f"imagefolder: {_shown(missing[0])} is missing; {layout}")
     names, val_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
+    for split, found in zip(splits, (names, val_names), strict=True):
+        if len(found) < 2:  # one level too high: train/ holds one folder that holds the classes
+            raise UserError(f"imagefolder: {_shown(root / split)} holds {len(found)} class folder"
+                            f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
+                            "classifier needs two or more: point --data-dir at the folder that holds train/ "
+                            "and val/ with one folder per class")
     if names != val_names:
         raise UserError(f"imagefolder: train classes {names} differ from val {val_names}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
     (train, notes), (val, val_notes) = (_scan(root / at, names, classes) for at in splits)
     if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
-        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}; {layout}")
+        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}"
+                        f"{_skipped(notes)}; {layout}")
+    if not val:  # else its tally would divide by zero, after a whole epoch of training
+        raise UserError(f"imagefolder: {_shown(root / 'val')} holds no images{_skipped(val_notes)}; the "
+                        f"val split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, HEIC say, "
+                        "to JPEG)")
     return _image_files(cfg, train, val, names, flip=True, notes=notes + val_notes)
 
 
@@ -366,6 +377,10 @@ def read_image(path: str, mode: str = "RGB"):
 
 def _shown(path) -> str:  # a path in a one-line message: repr'd if it holds a control character
     return str(path) if str(path).isprintable() else repr(str(path))
+
+
+def _skipped(notes: list[str]) -> str:  # _scan's note of a split, in a message about that split
+    return "".join(f" ({note.removeprefix('imagefolder: ')})" for note in notes)
 
 
 def _scan(split: Path, names: list[str], classes: dict[str, str]) -> tuple[list[tuple[Path, int]], list[str]]:
