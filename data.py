@@ -123,8 +123,12 @@ def image_folder(cfg: Config) -> Source:
 def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
-    root = Path(cfg.data_dir)
-    train, val = _csv_rows(root, "train.csv"), (root / "val.csv").is_file() and _csv_rows(root, "val.csv")
+    root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
+    train = _unique_rows(root, "train.csv", notes)
+    val = (root / "val.csv").is_file() and _unique_rows(root, "val.csv", notes)
+    if len(labels := sorted({label for _, label in train})) < 2:
+        raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({labels[0]!r}); a classifier needs "
+                        "two or more: give each row its class after the file (file,label)")
     if not val:  # the split's own seed: the same val images whatever --seed says
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
@@ -132,12 +136,16 @@ def csv_images(cfg: Config) -> Source:
             raise UserError(f"csv: {len(train)} rows are too few to hold out a --val-fraction of "
                             f"{cfg.val_fraction}")
         train, val = ([r for i, r in enumerate(train) if (i in held) == keep] for keep in (False, True))
+    if shared := sorted({os.path.normpath(f) for f, _ in train} & {os.path.normpath(f) for f, _ in val}):
+        shown = ", ".join(map(_shown, shared[:3]))  # only a val.csv can share files: the split cannot
+        notes.append(f"csv: val.csv lists {len(shared)} of train.csv's files too ({shown}): their val scores "
+                     "are no held-out measure; list each file in one of them")
     names = sorted({label for _, label in train})
     if unknown := sorted({label for _, label in val} - set(names)):
         raise UserError(f"csv: val labels {unknown[:5]} are in no training row; each class needs some")
     index = {name: i for i, name in enumerate(names)}
     train, val = ([(file, index[label]) for file, label in split] for split in (train, val))
-    return _image_files(cfg, train, val, names, flip=cfg.flip)
+    return _image_files(cfg, train, val, names, flip=cfg.flip, notes=notes)
 
 
 # The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
@@ -328,14 +336,15 @@ def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device
     as its run read its own (`prep`: its DataInfo.preprocess, which its checkpoint keeps); files; skipped."""
     if not path.exists():
         raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
-    listed = path.suffix.lower() == ".csv"  # its rows name the images: taken as they are
-    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False)] if listed else
+    listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
+    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False, notes=notes)] if listed else
              sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
     files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
         what = "is not an image file" if path.is_file() else "holds no image files"
         raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
-    skipped = f"{len(found) - len(files)} skipped (not image files)" * (len(found) > len(files))
+    skipped = "; ".join([f"{len(found) - len(files)} skipped (not image files)"] * (len(found) > len(files))
+                        + [note.removeprefix("csv: ") for note in notes])
     reading = replace(cfg, dataset="--predict", image_size=prep["size"], channels=prep["channels"])
     steps = ImageSteps(torch.tensor(prep["mean"]), torch.tensor(prep["std"]), channels_last=cfg.channels_last,
                        resize=prep["resize"])
@@ -432,6 +441,21 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
+def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, str]]:
+    """root/name's rows, each file once: a repeated row is dropped (else a copy of a training row could
+    land in the held-out split), and said in `notes`; a file listed with two labels is refused."""
+    rows, labels = _csv_rows(root, name, notes=notes), {}
+    for file, label in rows:
+        if (known := labels.setdefault(os.path.normpath(file), label)) != label:
+            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({known!r} and "
+                            f"{label!r}); keep one row per file, with its class")
+    if repeats := len(rows) - len(labels):
+        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
+                     "label, each file is read once")
+        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
+    return rows
+
+
 def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool, notes=()) -> Source:
     """(path, class index) lists as a Source read by workers: each image resized, center-cropped and
     made uint8 CHW, RGB or grayscale, normalized with ImageNet's statistics (their mean if gray)."""
@@ -449,15 +473,25 @@ def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bo
                   pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes))
 
 
-def _csv_rows(root: Path, name: str, labels: bool = True) -> list[tuple[Path, str | None]]:
-    """root/name's rows under its header: a file (relative to root), and with labels its label (next)."""
+def _csv_rows(root: Path, name: str, labels: bool = True,
+              notes: list[str] | None = None) -> list[tuple[Path, str | None]]:
+    """root/name's rows under its header: a file (relative to root), and with labels its label (next).
+    A first row that names a file under root is no header but data: kept, and said in `notes`."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
-            rows = [(root / row[0].strip(), row[1].strip() if labels else None)
-                    for row in list(csv.reader(f))[1:] if row]
-    except (OSError, UnicodeDecodeError, csv.Error, IndexError) as err:
+            records = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
+    start = 0 if records and records[0] and (root / records[0][0].strip()).is_file() else 1
+    if start == 0 and notes is not None:
+        notes.append(f"csv: {_shown(root / name)} has no header (its first row names a file): read as data")
+    if labels and (empty := [i for i, row in enumerate(records, 1)  # numbered as a spreadsheet shows them
+                             if i > start and row and (len(row) < 2 or not row[1].strip())]):
+        shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise UserError(f"csv: {_shown(root / name)} has rows without a label: row{'s' * (len(empty) > 1)} "
+                        f"{shown} (the header is row 1); give each its class after the file (file,label)")
+    rows = [(root / row[0].strip(), row[1].strip() if labels else None) for row in records[start:] if row]
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
         what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
         raise UserError(f"csv: {_shown(root / name)} {what}")

@@ -15,12 +15,23 @@ from conftest import run_main
 from test_faults import assert_one_line_failure, save_png
 
 import data
-from configs import parse_config
+import train
+from configs import UserError, parse_config
 
 CPU = torch.device("cpu")
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
+CPU_FLAGS = ["--device", "cpu", "--num-workers", "0"]
 FILES = ["--image-size", "8", "--width", "4", "--batch-size", "4", "--epochs", "1", "--device", "cpu",
          "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def image_run(images, tmp_path_factory) -> Path:
+    """A one-epoch run on `images`: its best.pt predicts."""
+    out = tmp_path_factory.mktemp("image_run")
+    train.train(parse_config(["--dataset", "imagefolder", "--data-dir", str(images), *FILES, "--out-dir",
+                              str(out)]))
+    return out
 
 
 def csv_folder(root: Path, lines: list[str], count: int = 10, val: list[str] | None = None) -> Path:
@@ -47,6 +58,37 @@ def refused(monkeypatch, capsys, out_dir: Path, *argv) -> str:
     line = assert_one_line_failure(code, out, err)
     assert code == 2 and not out_dir.exists(), (line, list(out_dir.iterdir()) if out_dir.exists() else None)
     return line
+
+
+# ---------------------------------------------------------------- 1: repeated rows never cross the split
+
+def test_repeated_csv_rows_stay_on_one_side_of_the_split(tmp_path):
+    rows = [f"{k}.png,{'ab'[k % 2]}" for k in range(10)]
+    root = csv_folder(tmp_path, ["file,label", *(row for row in rows for _ in range(3))])
+    source = csv_source(root)
+    train, val = files_of(source.train), files_of(source.val)
+    assert not train & val and len(train | val) == 10 and (len(train), len(val)) == (8, 2)
+    assert source.notes == [f"csv: {root / 'train.csv'} repeats rows: dropped 20 repeats of a file and its "
+                            "label, each file is read once"]
+
+
+def test_a_file_with_two_labels_is_refused_naming_both(tmp_path):
+    root = csv_folder(tmp_path, ["file,label", *(f"{k}.png,{'ab'[k % 2]}" for k in range(10)), "3.png,a"])
+    with pytest.raises(UserError) as err:
+        csv_source(root)
+    assert str(err.value) == (f"csv: {root / 'train.csv'} lists {root / '3.png'} with two labels ('b' and "
+                              "'a'); keep one row per file, with its class")
+
+
+def test_a_val_csv_listing_training_files_is_said(tmp_path):
+    """My call: a val.csv is the user's own split: its files shared with train.csv are said, not refused."""
+    rows = [f"{k}.png,{'ab'[k % 2]}" for k in range(10)]
+    root = csv_folder(tmp_path, ["file,label", *rows[:8]], val=["file,label", *rows[6:]])
+    source = csv_source(root)
+    assert (len(source.train), len(source.val)) == (8, 4)
+    assert source.notes == [f"csv: val.csv lists 2 of train.csv's files too ({root / '6.png'}, "
+                            f"{root / '7.png'}): their val scores are no held-out measure; list each file in "
+                            "one of them"]
 
 
 # ---------------------------------------------------------------- 2: fewer than two classes
@@ -76,11 +118,56 @@ def test_a_val_folder_one_level_too_high_is_refused(images, tmp_path, monkeypatc
     assert f"{tmp_path / 'data' / 'val'} holds 1 class folder ('pets')" in line
 
 
+def test_a_csv_of_one_label_is_refused(tmp_path, monkeypatch, capsys):
+    root = csv_folder(tmp_path / "data", ["file,label", *(f"{k}.png,cat" for k in range(10))])
+    line = refused(monkeypatch, capsys, tmp_path / "run", "--dataset", "csv", "--data-dir", root, *FILES)
+    assert line == (f"error: csv: {root / 'train.csv'} has 1 label ('cat'); a classifier needs two or more: "
+                    "give each row its class after the file (file,label)\n")
+
+
 def test_two_classes_on_the_device_loader_still_ask_for_workers(images, tmp_path, monkeypatch, capsys):
     """test_faults' "data folder on the device loader" has one class, which is now refused first."""
     line = refused(monkeypatch, capsys, tmp_path / "run", "--dataset", "imagefolder", "--data-dir", images,
                    *FILES, "--loader", "device")
     assert "imagefolder reads files through workers; use --loader dataloader" in line
+
+
+# ---------------------------------------------------------------- 3: rows without a label
+
+def test_csv_rows_without_a_label_are_refused_by_their_row_numbers(tmp_path, monkeypatch, capsys):
+    lines = ["file,label", *(f"{k}.png,{'ab'[k % 2]}" for k in range(10))]
+    lines[3], lines[6], lines[7] = "2.png,", "5.png", "6.png,  "  # rows 4, 7 and 8 as a spreadsheet shows
+    root = csv_folder(tmp_path / "data", lines)
+    line = refused(monkeypatch, capsys, tmp_path / "run", "--dataset", "csv", "--data-dir", root, *FILES)
+    assert line == (f"error: csv: {root / 'train.csv'} has rows without a label: rows 4, 7, 8 (the header is "
+                    "row 1); give each its class after the file (file,label)\n")
+
+
+# ---------------------------------------------------------------- 4: a CSV without a header
+
+def test_a_headerless_train_and_val_csv_keep_their_first_rows(tmp_path):
+    rows = [f"{k}.png,{'ab'[k % 2]}" for k in range(10)]
+    root = csv_folder(tmp_path, rows[:7], val=rows[7:])
+    source = csv_source(root)
+    assert files_of(source.train) == {str(root / f"{k}.png") for k in range(7)}
+    assert files_of(source.val) == {str(root / f"{k}.png") for k in range(7, 10)}
+    assert source.notes == [f"csv: {root / name} has no header (its first row names a file): read as data"
+                            for name in ("train.csv", "val.csv")]
+    (root / "val.csv").unlink()  # with a header, as before: the first row is not read
+    (root / "train.csv").write_text("path,class\n" + "\n".join(rows) + "\n")
+    assert len(csv_source(root).train) + len(csv_source(root).val) == 10 and csv_source(root).notes == []
+
+
+def test_a_headerless_predict_csv_keeps_its_first_row(image_run, images, tmp_path, monkeypatch, capsys):
+    files = sorted((images / "val").glob("*/*.png"))
+    (tmp_path / "list.csv").write_text("".join(f"{file}\n" for file in files))
+    code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / "list.csv", "--checkpoint",
+                              image_run / "best.pt", "--out-dir", tmp_path, *CPU_FLAGS)
+    assert code == 0, err
+    predicted = (tmp_path / "predictions.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[0] for line in predicted] == list(map(str, files))
+    note = f"{tmp_path / 'list.csv'} has no header (its first row names a file): read as data"
+    assert out.splitlines()[-1].endswith(f"; {note}")
 
 
 # ---------------------------------------------------------------- 6: empty splits, refused at start-up
