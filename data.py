@@ -290,6 +290,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
+    refuse_empty_splits(cfg.dataset, source)
     files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
     shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
     needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
@@ -329,6 +330,16 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     info = DataInfo((shape[0], resize, resize) if resize else shape, list(source.names),
                     train_batches.num_examples, val_batches.num_examples, loader, images, notes, prep)
     return train_batches, val_batches, info
+
+
+def refuse_empty_splits(dataset: str, source: Source) -> None:
+    """A split of no examples, refused at start-up: an empty val split trained a whole epoch, then its
+    tally divided by zero; an empty training split failed at its first example."""
+    for split, examples in (("train", source.train), ("val", source.val)):
+        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
 
 
 def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device) -> tuple:

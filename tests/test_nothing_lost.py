@@ -12,7 +12,7 @@ import pytest
 import test_faults
 import torch
 from conftest import run_main
-from test_faults import assert_one_line_failure, save_png
+from test_faults import TINY, assert_one_line_failure, save_png
 
 import data
 import train
@@ -182,3 +182,18 @@ def test_a_val_folder_without_readable_images_is_refused_at_start_up(images, tmp
                    *FILES)
     assert line.startswith(f"error: imagefolder: {root / 'val'} holds no images (skipped 8 in val/ - "
                            "not images: 8 (dark/0.HEIC, dark/1.HEIC, dark/2.HEIC)); the val split needs some")
+
+
+@pytest.mark.parametrize("empty", ["train", "val"])
+def test_an_empty_split_of_any_dataset_is_refused_at_start_up(empty, tmp_path, monkeypatch, capsys):
+    """A fork's dataset entry whose split holds no examples (the generic check in build_loaders)."""
+    def hollow(cfg) -> data.Source:
+        sizes = {"train": 16, "val": 16, empty: 0}
+        splits = {split: (torch.zeros(n, 3, 8, 8, dtype=torch.uint8), torch.zeros(n, dtype=torch.long))
+                  for split, n in sizes.items()}
+        return data.Source(splits["train"], splits["val"], ["a", "b"], notes=["hollow: skipped 8 files"])
+
+    monkeypatch.setitem(data.DATASETS, "hollow", hollow)
+    line = refused(monkeypatch, capsys, tmp_path / "run", *TINY, "--dataset", "hollow")
+    assert line == (f"error: hollow: the {empty} split holds no examples (hollow: skipped 8 files); give it "
+                    "some (its dataset entry in data.py, or the files in --data-dir)\n")
