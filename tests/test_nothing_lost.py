@@ -197,3 +197,29 @@ def test_an_empty_split_of_any_dataset_is_refused_at_start_up(empty, tmp_path, m
     line = refused(monkeypatch, capsys, tmp_path / "run", *TINY, "--dataset", "hollow")
     assert line == (f"error: hollow: the {empty} split holds no examples (hollow: skipped 8 files); give it "
                     "some (its dataset entry in data.py, or the files in --data-dir)\n")
+
+
+# ---------------------------------------------------------------- 5: TOML values of the wrong type
+
+@pytest.mark.parametrize("line, shown", [
+    ('out_dir = ["run"]', "out_dir expects a string, got a list: ['run']"),  # made a folder named "['run']"
+    ("out_dir = 3", "out_dir expects a string, got a number: 3"),
+    ("seed = { value = 1 }", "seed expects an integer, got a table: {'value': 1}"),
+    ('epochs = "3"', "epochs expects an integer, got a string: '3'"),
+    ('augment = "false"', "augment expects true or false, got a string: 'false'"),
+    ("lr = [0.1, 0.2]", "lr expects a number or 'auto' or 'find', got a list: [0.1, 0.2]"),
+    ("batch-size = 1979-05-27", "batch-size expects an integer, got a date: datetime.date(1979, 5, 27)"),
+])
+def test_a_preset_value_of_the_wrong_type_is_one_line(line, shown, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where a relative out_dir would land
+    (tmp_path / "preset.toml").write_text(line + "\n")
+    code, out, err = run_main(monkeypatch, capsys, "--config", "preset.toml", *TINY)
+    assert assert_one_line_failure(code, out, err) == f"error: preset.toml: {shown}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["preset.toml"]
+
+
+def test_preset_values_of_their_type_still_load(tmp_path):
+    (tmp_path / "preset.toml").write_text('epochs = 3.0\nlr = "auto"\nmomentum = 1\naugment = false\n'
+                                          'out_dir = "runs/x"\n')
+    cfg = parse_config(["--config", str(tmp_path / "preset.toml")])
+    assert (cfg.epochs, cfg.lr, cfg.momentum, cfg.augment, cfg.out_dir) == (3, "auto", 1.0, False, "runs/x")
