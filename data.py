@@ -9,6 +9,7 @@ import csv
 import functools
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -320,6 +321,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
                   num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, init=worker_init)
     train_batches, val_batches = (Batches(*s, train=i == 0, **common) for i, s in enumerate(sources))
+    if mode == "dataloader":
+        check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(train_batches) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({train_batches.num_examples}); lower --batch-size")
@@ -330,6 +333,23 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     info = DataInfo((shape[0], resize, resize) if resize else shape, list(source.names),
                     train_batches.num_examples, val_batches.num_examples, loader, images, notes, prep)
     return train_batches, val_batches, info
+
+
+def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
+    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
+    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
+    refused now rather than in the loop; under twice that, said in a note."""
+    if workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage("/dev/shm").free
+    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
+            f"{need / 2**20:.1f} MiB")
+    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
+    if free < need:
+        raise UserError(f"{said}; {fix}")
+    if free < 2 * need:
+        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
 
 
 def refuse_empty_splits(dataset: str, source: Source) -> None:

@@ -5,8 +5,10 @@ repeated and conflicting CSV rows, a val.csv sharing train.csv's files, image fo
 values of the wrong type, empty splits, a small /dev/shm, SIGTERM to the process group of --predict and
 lr_find.py with DataLoader workers, and lr_find.json beside another sweep's lr_find.png."""
 
+import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import test_faults
@@ -14,6 +16,7 @@ import torch
 from conftest import run_main
 from test_faults import TINY, assert_one_line_failure, save_png
 
+import checkpoints
 import data
 import train
 from configs import UserError, parse_config
@@ -223,3 +226,51 @@ def test_preset_values_of_their_type_still_load(tmp_path):
                                           'out_dir = "runs/x"\n')
     cfg = parse_config(["--config", str(tmp_path / "preset.toml")])
     assert (cfg.epochs, cfg.lr, cfg.momentum, cfg.augment, cfg.out_dir) == (3, "auto", 1.0, False, "runs/x")
+
+
+# ---------------------------------------------------------------- 7: a small /dev/shm and DataLoader workers
+
+SHM = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here (not Linux)")
+
+
+@SHM
+@pytest.mark.parametrize("free, said", [(1000, "refused"), (3000, "a note"), (10**9, "nothing")])
+def test_too_little_shared_memory_for_the_workers_is_found_at_start_up(free, said, images, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Batches of 4 images 3x8x8 (768 bytes), one worker: 3 in flight (2304 bytes); twice that is ample."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: SimpleNamespace(free=free) if str(path) == "/dev/shm" else real(path))
+    argv = ["--dataset", "imagefolder", "--data-dir", images, *FILES, "--num-workers", "1"]
+    advice = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
+    if said == "refused":
+        line = refused(monkeypatch, capsys, tmp_path / "run", *argv)
+        assert line == ("error: /dev/shm has 0.0 MiB free and the DataLoader's batches in flight need about "
+                        f"0.0 MiB; {advice}\n")
+        return
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "run")
+    assert code == 0, err
+    assert (f"if workers fail for want of shared memory, {advice}" in out) == (said == "a note"), out
+
+
+def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoint(images, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """As torch reports it in the loop: a worker's RuntimeError, its traceback as text (54 lines in all)."""
+    order, _, _ = data.epoch_plan(16, 0, 0, shuffle=True)
+    bad, real = int(order[9]), data._Files.__getitem__  # in the third batch of four: after two steps
+
+    def getitem(self, i):  # in the worker process
+        if len(self.items) == 16 and i == bad:
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_0>: No space "
+                               "left on device (28)")
+        return real(self, i)
+
+    monkeypatch.setattr(data._Files, "__getitem__", getitem)
+    code, out, err = run_main(monkeypatch, capsys, "--dataset", "imagefolder", "--data-dir", images, *FILES,
+                              "--num-workers", "1", "--save-every", "1", "--out-dir", tmp_path)
+    assert assert_one_line_failure(code, out, err) == (
+        "error: DataLoader workers ran out of shared memory (RuntimeError: unable to allocate shared "
+        "memory(shm) for file </torch_1_2_0>: No space left on device (28)); use --num-workers 0, or give "
+        "the container more shared memory (docker run --shm-size=2g); the checkpoints on disk are as they "
+        "were\n")
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 2
