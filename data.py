@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configs
+import distributed
 from checkpoints import downloading
 from configs import Config, UserError
 from models import fit_images, input_needs
@@ -218,7 +219,10 @@ class Batches:
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, init=None):  # init: a worker's first call
-        self.source, self.labels, self.image, self.worker_init = source, labels, image, init
+        # every loader's workers (--predict's, --evaluate's, lr_find.py's too) leave a signal to the main
+        # process, which stops them in order: else SIGTERM to the group killed them mid-batch, 60-80 lines
+        self.source, self.labels, self.image = source, labels, image
+        self.worker_init = init or distributed.worker_init
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None

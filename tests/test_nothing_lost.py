@@ -7,13 +7,17 @@ lr_find.py with DataLoader workers, and lr_find.json beside another sweep's lr_f
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import test_faults
 import torch
-from conftest import run_main
+from conftest import ROOT, run_main
 from test_faults import TINY, assert_one_line_failure, save_png
 
 import checkpoints
@@ -274,3 +278,58 @@ def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoi
         "the container more shared memory (docker run --shm-size=2g); the checkpoints on disk are as they "
         "were\n")
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 2
+
+
+# ---------------------------------------------------------------- 8: SIGTERM to the group, workers included
+
+SLOW_WORKERS = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+import data
+real = data._Files.__getitem__
+
+def slow(self, i):  # in a DataLoader worker: says it reads, then reads slowly
+    if worker := torch.utils.data.get_worker_info():
+        open({marker!r} + str(worker.id), "a").close()
+        time.sleep(0.2)
+    return real(self, i)
+
+data._Files.__getitem__ = slow
+"""
+
+
+def terminated(tmp_path: Path, command: str, workers: int = 2) -> subprocess.CompletedProcess:
+    """`command` after SLOW_WORKERS in a process of its own group, sent SIGTERM (to the whole group, as
+    systemd, Slurm or kill -TERM -PGID do) once each of its DataLoader workers reads an image."""
+    marker = str(tmp_path / "reading-")
+    code = SLOW_WORKERS.format(root=str(ROOT), marker=marker) + command
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline and not all(
+            Path(marker + str(worker)).exists() for worker in range(workers)):
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run, images, tmp_path):
+    argv = ["--predict", str(images), "--checkpoint", str(image_run / "best.pt"), "--device", "cpu",
+            "--num-workers", "2", "--batch-size", "4", "--out-dir", str(tmp_path / "out")]
+    stopped = terminated(tmp_path, f"import train\nsys.argv = ['train.py', *{argv!r}]\ntrain.main()\n")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert stopped.stderr.startswith("error: interrupted by SIGTERM") and stopped.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # no predictions.csv, whole or half
+
+
+def test_sigterm_to_the_group_during_lr_find_with_workers_is_one_line(images, tmp_path):
+    argv = ["--dataset", "imagefolder", "--data-dir", str(images), *FILES, "--num-workers", "2",
+            "--find-iters", "200", "--out-dir", str(tmp_path / "out")]
+    stopped = terminated(tmp_path, f"import lr_find\nlr_find.main({argv!r})\n")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert stopped.stderr == ("error: interrupted by SIGTERM; lr_find wrote nothing and the model is as it "
+                              "was: run the command again\n")
+    assert not (tmp_path / "out").exists()
