@@ -5,6 +5,8 @@ repeated and conflicting CSV rows, a val.csv sharing train.csv's files, image fo
 values of the wrong type, empty splits, a small /dev/shm, SIGTERM to the process group of --predict and
 lr_find.py with DataLoader workers, and lr_find.json beside another sweep's lr_find.png."""
 
+import json
+import math
 import os
 import shutil
 import signal
@@ -22,8 +24,10 @@ from test_faults import TINY, assert_one_line_failure, save_png
 
 import checkpoints
 import data
+import lr_find
+import task
 import train
-from configs import UserError, parse_config
+from configs import UserError, parse_config, resolve
 
 CPU = torch.device("cpu")
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
@@ -333,3 +337,44 @@ def test_sigterm_to_the_group_during_lr_find_with_workers_is_one_line(images, tm
     assert stopped.stderr == ("error: interrupted by SIGTERM; lr_find wrote nothing and the model is as it "
                               "was: run the command again\n")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- 9: lr_find.json and lr_find.png, one unit
+
+class Killed(BaseException):
+    """kill -9: nothing after it runs, no handler catches it."""
+
+
+def a_sweep(lowest: float) -> lr_find.LRFindResult:
+    """A sweep whose loss bottoms out at lr `lowest`: 60 steps from 1e-5 to 10."""
+    lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
+    losses = [2 - math.tanh(2 * math.log10(lr / lowest) + 4) + max(0.0, math.log10(lr / lowest)) ** 2
+              for lr in lrs]
+    return lr_find._result(lrs, losses, losses, "completed", "onecycle", None, "sgd")
+
+
+@pytest.mark.parametrize("after", ["lr_find.json", "lr_find.png"])
+def test_a_sweep_killed_between_its_files_is_told_by_lr_auto(after, tmp_path, monkeypatch):
+    """Both files name their sweep: a kill -9 between their writes leaves one sweep's pair, or a record
+    beside another sweep's picture, which --lr auto says in one line (and trains with the record)."""
+    pytest.importorskip("matplotlib")
+    cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto"])
+    config = {**cfg.to_dict(), "task": resolve.task_identity(task)}
+    lr_find.save_sweep(a_sweep(0.1), config, tmp_path)
+    real = lr_find._write_atomically
+
+    def write(path, data):
+        real(path, data)
+        if path.name == after:
+            raise Killed
+
+    monkeypatch.setattr(lr_find, "_write_atomically", write)
+    with pytest.raises(Killed):
+        lr_find.save_sweep(a_sweep(0.01), config, tmp_path)  # the next sweep, killed after `after`
+    said = []
+    resolve.resolve_lr(cfg, task, said.append)
+    record = json.loads((tmp_path / "lr_find.json").read_text())
+    one_unit = resolve.png_text(tmp_path / "lr_find.png").get(lr_find.PNG_SWEEP_KEY) == record.get("sweep")
+    assert one_unit == (after == "lr_find.json") and len(said) == 2 - one_unit, said
+    assert one_unit or said[1].startswith(f"lr auto: {tmp_path / 'lr_find.png'} is not the picture of this "
+                                          "sweep (a sweep stopped between writing the two")
