@@ -1,9 +1,9 @@
 """Nothing lost, round three (issue 32): data that would train on a wrong split or class list, presets of
-the wrong type, and faults that ended in tracebacks, each refused or said in one line at start-up:
-repeated and conflicting CSV rows, a val.csv sharing train.csv's files, image folders one level too high
-(and single-label CSVs), rows without a label, headerless CSVs (train.csv, val.csv, --predict's), TOML
-values of the wrong type, empty splits, a small /dev/shm, SIGTERM to the process group of --predict and
-lr_find.py with DataLoader workers, and lr_find.json beside another sweep's lr_find.png."""
+the wrong type, and faults that ended in tracebacks, each now refused or said in one line, most of them at
+start-up: repeated and conflicting CSV rows, a val.csv sharing train.csv's files, image folders one level
+too high (and single-label CSVs), rows without a label, headerless CSVs (train.csv, val.csv, --predict's),
+TOML values of the wrong type, empty splits, a small /dev/shm, SIGTERM to the process group of --predict
+and lr_find.py with DataLoader workers, and lr_find.json beside another sweep's lr_find.png."""
 
 import json
 import math
@@ -29,7 +29,6 @@ import task
 import train
 from configs import UserError, parse_config, resolve
 
-CPU = torch.device("cpu")
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
 CPU_FLAGS = ["--device", "cpu", "--num-workers", "0"]
 FILES = ["--image-size", "8", "--width", "4", "--batch-size", "4", "--epochs", "1", "--device", "cpu",
@@ -77,8 +76,8 @@ def test_repeated_csv_rows_stay_on_one_side_of_the_split(tmp_path):
     rows = [f"{k}.png,{'ab'[k % 2]}" for k in range(10)]
     root = csv_folder(tmp_path, ["file,label", *(row for row in rows for _ in range(3))])
     source = csv_source(root)
-    train, val = files_of(source.train), files_of(source.val)
-    assert not train & val and len(train | val) == 10 and (len(train), len(val)) == (8, 2)
+    trained, held = files_of(source.train), files_of(source.val)
+    assert not trained & held and len(trained | held) == 10 and (len(trained), len(held)) == (8, 2)
     assert source.notes == [f"csv: {root / 'train.csv'} repeats rows: dropped 20 repeats of a file and its "
                             "label, each file is read once"]
 
