@@ -9,6 +9,7 @@ import csv
 import functools
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configs
+import distributed
 from checkpoints import downloading
 from configs import Config, UserError
 from contract import IGNORE_INDEX, Targets, as_taken, check_splits
@@ -101,20 +103,35 @@ def image_folder(cfg: Config) -> Source:
     if missing := [root / split for split in splits if not (root / split).is_dir()]:
         raise UserError(f"imagefolder: {_shown(missing[0])} is missing; {layout}")
     names, val_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
+    for split, found in zip(splits, (names, val_names), strict=True):
+        if len(found) < 2:  # one level too high: train/ holds one folder that holds the classes
+            raise UserError(f"imagefolder: {_shown(root / split)} holds {len(found)} class folder"
+                            f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
+                            "classifier needs two or more: point --data-dir at the folder that holds train/ "
+                            "and val/ with one folder per class")
     if names != val_names:
         raise UserError(f"imagefolder: train classes {names} differ from val {val_names}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
     (train, notes), (val, val_notes) = (_scan(root / at, names, classes) for at in splits)
     if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
-        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}; {layout}")
+        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}"
+                        f"{_skipped(notes)}; {layout}")
+    if not val:  # else its tally would divide by zero, after a whole epoch of training
+        raise UserError(f"imagefolder: {_shown(root / 'val')} holds no images{_skipped(val_notes)}; the "
+                        f"val split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, HEIC say, "
+                        "to JPEG)")
     return _image_files(cfg, train, val, names, flip=True, notes=notes + val_notes)
 
 
 def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
-    root = Path(cfg.data_dir)
-    train, val = _csv_rows(root, "train.csv"), (root / "val.csv").is_file() and _csv_rows(root, "val.csv")
+    root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
+    train = _unique_rows(root, "train.csv", notes)
+    val = (root / "val.csv").is_file() and _unique_rows(root, "val.csv", notes)
+    if len(labels := sorted({label for _, label in train})) < 2:
+        raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({labels[0]!r}); a classifier needs "
+                        "two or more: give each row its class after the file (file,label)")
     if not val:  # the split's own seed: the same val images whatever --seed says
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
@@ -122,12 +139,16 @@ def csv_images(cfg: Config) -> Source:
             raise UserError(f"csv: {len(train)} rows are too few to hold out a --val-fraction of "
                             f"{cfg.val_fraction}")
         train, val = ([r for i, r in enumerate(train) if (i in held) == keep] for keep in (False, True))
+    if shared := sorted({os.path.normpath(f) for f, _ in train} & {os.path.normpath(f) for f, _ in val}):
+        shown = ", ".join(map(_shown, shared[:3]))  # only a val.csv can share files: the split cannot
+        notes.append(f"csv: val.csv lists {len(shared)} of train.csv's files too ({shown}): their val scores "
+                     "are no held-out measure; list each file in one of them")
     names = sorted({label for _, label in train})
     if unknown := sorted({label for _, label in val} - set(names)):
         raise UserError(f"csv: val labels {unknown[:5]} are in no training row; each class needs some")
     index = {name: i for i, name in enumerate(names)}
     train, val = ([(file, index[label]) for file, label in split] for split in (train, val))
-    return _image_files(cfg, train, val, names, flip=cfg.flip)
+    return _image_files(cfg, train, val, names, flip=cfg.flip, notes=notes)
 
 
 # The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
@@ -219,7 +240,10 @@ class Batches:
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, init=None,  # init: a worker's first call
                  targets: Targets | None = None, class_ids: torch.Tensor | None = None):
-        self.source, self.labels, self.image, self.worker_init = source, labels, image, init
+        # every loader's workers (--predict's, --evaluate's, lr_find.py's too) leave a signal to the main
+        # process, which stops them in order: else SIGTERM to the group killed them mid-batch, 60-80 lines
+        self.source, self.labels, self.image = source, labels, image
+        self.worker_init = init or distributed.worker_init
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
@@ -312,6 +336,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
+    refuse_empty_splits(cfg.dataset, source)
     files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
     shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
     needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
@@ -353,6 +378,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     balanced = spec.class_ids if cfg.balance_classes else None
     train_batches = Batches(*sources[0], train=True, class_ids=balanced, **common)
     val_batches = Batches(*sources[1], train=False, **common)
+    if mode == "dataloader":
+        check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(train_batches) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({train_batches.num_examples}); lower --batch-size")
@@ -387,19 +414,47 @@ def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
     return f"images: {' and '.join(steps)} on training batches{moved}"
 
 
+def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
+    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
+    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
+    refused now rather than in the loop; under twice that, said in a note."""
+    if workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage("/dev/shm").free
+    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
+            f"{need / 2**20:.1f} MiB")
+    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
+    if free < need:
+        raise UserError(f"{said}; {fix}")
+    if free < 2 * need:
+        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
+
+
+def refuse_empty_splits(dataset: str, source: Source) -> None:
+    """A split of no examples, refused at start-up: an empty val split trained a whole epoch, then its
+    tally divided by zero; an empty training split failed at its first example."""
+    for split, examples in (("train", source.train), ("val", source.val)):
+        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
+
+
 def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device) -> tuple:
     """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
     as its run read its own (`prep`: its DataInfo.preprocess, which its checkpoint keeps); files; skipped."""
     if not path.exists():
         raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
-    listed = path.suffix.lower() == ".csv"  # its rows name the images: taken as they are
-    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False)] if listed else
+    listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
+    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False, notes=notes)] if listed else
              sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
     files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
         what = "is not an image file" if path.is_file() else "holds no image files"
         raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
-    skipped = f"{len(found) - len(files)} skipped (not image files)" * (len(found) > len(files))
+    skipped = "; ".join([f"{len(found) - len(files)} skipped (not image files)"] * (len(found) > len(files))
+                        + [note.removeprefix("csv: ") for note in notes])
     reading = replace(cfg, dataset="--predict", image_size=prep["size"], channels=prep["channels"])
     steps = ImageSteps(torch.tensor(prep["mean"]), torch.tensor(prep["std"]), channels_last=cfg.channels_last,
                        resize=prep["resize"])
@@ -441,6 +496,10 @@ def read_image(path: str, mode: str = "RGB"):
 
 def _shown(path) -> str:  # a path in a one-line message: repr'd if it holds a control character
     return str(path) if str(path).isprintable() else repr(str(path))
+
+
+def _skipped(notes: list[str]) -> str:  # _scan's note of a split, in a message about that split
+    return "".join(f" ({note.removeprefix('imagefolder: ')})" for note in notes)
 
 
 def _scan(split: Path, names: list[str], classes: dict[str, str]) -> tuple[list[tuple[Path, int]], list[str]]:
@@ -496,6 +555,21 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
+def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, str]]:
+    """root/name's rows, each file once: a repeated row is dropped (else a copy of a training row could
+    land in the held-out split), and said in `notes`; a file listed with two labels is refused."""
+    rows, labels = _csv_rows(root, name, notes=notes), {}
+    for file, label in rows:
+        if (known := labels.setdefault(os.path.normpath(file), label)) != label:
+            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({known!r} and "
+                            f"{label!r}); keep one row per file, with its class")
+    if repeats := len(rows) - len(labels):
+        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
+                     "label, each file is read once")
+        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
+    return rows
+
+
 def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool, notes=()) -> Source:
     """(path, class index) lists as a Source read by workers: each image resized, center-cropped and
     made uint8 CHW, RGB or grayscale, normalized with ImageNet's statistics (their mean if gray)."""
@@ -513,15 +587,25 @@ def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bo
                   pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes))
 
 
-def _csv_rows(root: Path, name: str, labels: bool = True) -> list[tuple[Path, str | None]]:
-    """root/name's rows under its header: a file (relative to root), and with labels its label (next)."""
+def _csv_rows(root: Path, name: str, labels: bool = True,
+              notes: list[str] | None = None) -> list[tuple[Path, str | None]]:
+    """root/name's rows under its header: a file (relative to root), and with labels its label (next).
+    A first row that names a file under root is no header but data: kept, and said in `notes`."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
-            rows = [(root / row[0].strip(), row[1].strip() if labels else None)
-                    for row in list(csv.reader(f))[1:] if row]
-    except (OSError, UnicodeDecodeError, csv.Error, IndexError) as err:
+            records = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
+    start = 0 if records and records[0] and (root / records[0][0].strip()).is_file() else 1
+    if start == 0 and notes is not None:
+        notes.append(f"csv: {_shown(root / name)} has no header (its first row names a file): read as data")
+    if labels and (empty := [i for i, row in enumerate(records, 1)  # numbered as a spreadsheet shows them
+                             if i > start and row and (len(row) < 2 or not row[1].strip())]):
+        shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise UserError(f"csv: {_shown(root / name)} has rows without a label: row{'s' * (len(empty) > 1)} "
+                        f"{shown} (the header is row 1); give each its class after the file (file,label)")
+    rows = [(root / row[0].strip(), row[1].strip() if labels else None) for row in records[start:] if row]
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
         what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
         raise UserError(f"csv: {_shown(root / name)} {what}")

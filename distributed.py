@@ -255,6 +255,10 @@ def known_failure(err: BaseException) -> str | None:
     if "more than 1 value per channel" in text:
         return (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
                 "more, or larger inputs (--image-size)")
+    if "shared memory" in text:  # a DataLoader worker's batch did not fit in /dev/shm (Docker's: 64 MB)
+        return (f"DataLoader workers ran out of shared memory ({text.splitlines()[-1][:120]}); use "
+                "--num-workers 0, or give the container more shared memory (docker run --shm-size=2g); the "
+                "checkpoints on disk are as they were")
     if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
         return f"out of memory ({first}); lower --batch-size, --image-size, --synthetic-size or --width"
     if "without overflow" in text:

@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import copy
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -37,6 +38,7 @@ SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
+PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
 _READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
                          "but the data or the model (nan or inf in the inputs or targets, or a layer that "
@@ -240,9 +242,9 @@ METHODS = tuple(RULES)
 
 
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None) -> list[Any]:
-    """Write lr_find.json (``extra``'s keys join its record), lr_find.png and the same picture to
-    TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr means
-    much); returns what it wrote. An OSError names the file."""
+    """Write lr_find.png, then lr_find.json (``extra``'s keys join its record), each naming the sweep, and the
+    same picture to TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr
+    means much); returns what it wrote, the record first. An OSError names the file."""
     (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
               for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
@@ -253,20 +255,30 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
               "suggestions": {f: {"lr": lr, "method": rule, "schedules": _SERVED[f],
                                   "group_lrs": result.for_groups(_SERVED[f][0])}
                               for f, (lr, rule) in result.suggestions.items()}, **(extra or {})}
-    wrote = [_write_atomically(out_dir / "lr_find.json", json.dumps(record, indent=2).encode())]
+    # The picture first, then the record: both name the sweep (PNG_SWEEP_KEY), so that a record beside another
+    # sweep's picture (a kill -9 between the two writes) can be told, and said (configs/resolve.py).
+    record["sweep"], drawn = sweep_id(record["lrs"], record["losses"]), io.BytesIO()
     try:
-        png = io.BytesIO()
-        plot_lr_find(result).savefig(png, format="png")
-        wrote.append(_write_atomically(out_dir / "lr_find.png", png.getvalue()))
-        from matplotlib.image import imread
-        from torch.utils.tensorboard import SummaryWriter
-        pixels = (imread(io.BytesIO(png.getvalue()), format="png")[..., :3] * 255).round()
-        with SummaryWriter(str(out_dir / "lr_find"), purge_step=0) as writer:  # a re-run replaces it
-            writer.add_image("lr_find", pixels.astype("uint8"), dataformats="HWC")
+        plot_lr_find(result).savefig(drawn, format="png", metadata={PNG_SWEEP_KEY: record["sweep"]})
+        picture = _write_atomically(out_dir / "lr_find.png", drawn.getvalue())
     except ImportError as err:
-        what = "plot" if len(wrote) == 1 else "TensorBoard image"
-        wrote.append(f"no {what} (pip install {err.name or 'tensorboard'})")
+        picture = f"no plot (pip install {err.name or 'matplotlib'})"
+    wrote = [_write_atomically(out_dir / "lr_find.json", json.dumps(record, indent=2).encode()), picture]
+    if isinstance(picture, Path):
+        try:
+            from matplotlib.image import imread
+            from torch.utils.tensorboard import SummaryWriter
+            pixels = (imread(io.BytesIO(drawn.getvalue()), format="png")[..., :3] * 255).round()
+            with SummaryWriter(str(out_dir / "lr_find"), purge_step=0) as writer:  # a re-run replaces it
+                writer.add_image("lr_find", pixels.astype("uint8"), dataformats="HWC")
+        except ImportError as err:
+            wrote.append(f"no TensorBoard image (pip install {err.name or 'tensorboard'})")
     return wrote
+
+
+def sweep_id(lrs: Sequence[float], losses: Sequence[float | None]) -> str:
+    """A short name for a sweep, from its lrs and losses as lr_find.json holds them (null: non-finite)."""
+    return hashlib.sha256(json.dumps([list(lrs), list(losses)]).encode()).hexdigest()[:12]
 
 
 def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:

@@ -261,8 +261,23 @@ def load_toml(path: str) -> dict:
         name = key.replace("-", "_")
         if name not in _FIELDS or name == "resume":
             raise UserError(f"{path}: unknown key {key!r}{_suggest(name, _FIELDS)}")
-        out[name] = _convert(name, raw)
+        out[name] = _convert(name, _toml_typed(path, key, name, raw))
     return out
+
+
+def _toml_typed(path: str, key: str, name: str, raw):
+    """A TOML value of its field's type as TOML writes it (3, 0.1, true, "runs/x"; lr "auto" too), else one
+    line: str() or float() of a list, a table or a quoted number would run with a value it never said."""
+    kind = float if name == "lr" else type(_FIELDS[name].default)
+    number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+    if isinstance(raw, bool) if kind is bool else isinstance(raw, str) if kind is str else (
+            number or (name == "lr" and isinstance(raw, str))):
+        return raw
+    expects = "true or false" if kind is bool else ARTICLES[kind] + " or 'auto' or 'find'" * (name == "lr")
+    what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
+    got = what or ("a number" if number else f"a {type(raw).__name__}")
+    shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
+    raise UserError(f"{path}: {key} expects {expects}, got {got}: {shown}")
 
 
 class _Parser(argparse.ArgumentParser):

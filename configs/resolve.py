@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import json
 import math
+import struct
 from dataclasses import fields
 from pathlib import Path
 
@@ -122,7 +123,30 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
     say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} ({what}, "
         f"rule {rule})")
+    picture = path.with_name("lr_find.png")
+    if picture.is_file() and "sweep" in record and png_text(picture).get(PNG_SWEEP_KEY) != record["sweep"]:
+        say(f"lr auto: {picture} is not the picture of this sweep (a sweep stopped between writing the two, "
+            f"or a file was copied over); the rate above is {path}'s: run `{refind}` to draw both again")
     return float(suggestion)
+
+
+PNG_SWEEP_KEY = "lr_find sweep"  # = lr_find.PNG_SWEEP_KEY (a copy: configs needs the standard library alone)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """A PNG file's tEXt chunks (keyword: text), read with the standard library; {} if it is no PNG."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return {}
+    text, at = {}, 8
+    while data.startswith(b"\x89PNG\r\n\x1a\n") and at + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            text[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + size  # length, type, data, CRC
+    return text
 
 
 def task_identity(task) -> dict:

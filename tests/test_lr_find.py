@@ -1167,6 +1167,7 @@ def test_save_sweep_writes_the_record_the_plot_and_one_tensorboard_image(tmp_pat
         "stop_reason": "non-finite loss", "schedule": "cosine", "suggestion": base[0], "method": "min/3",
         "why_none": None, "optimizer_kind": "sgd",
         "optimizer_kind_from": "SGD: no betas, eps or etas", "config": {"seed": 3},
+        "sweep": lf.sweep_id(result.lrs, [*result.losses[:-1], None]),
         "suggestions": {"peak": {"lr": peak[0], "method": "minimum", "schedules": ["onecycle"],
                                  "group_lrs": [peak[0]]},
                         "base": {"lr": base[0], "method": "min/3",
@@ -1213,7 +1214,7 @@ def test_a_failed_save_names_the_file_and_leaves_no_temporary_file(tmp_path):
         lf.save_sweep(bowl_sweep(), {}, tmp_path)
     assert info.value.filename == str(tmp_path / "lr_find.json") and info.value.strerror
     assert info.value.errno == errno.EISDIR
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr_find.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr_find.json", "lr_find.png"]  # the picture first
 
 
 def test_plot_looks_as_described():
