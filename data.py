@@ -238,12 +238,9 @@ class Batches:
 
     def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
                  device: torch.device, image: ImageSteps | None = None, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, init=None,  # init: a worker's first call
-                 targets: Targets | None = None, class_ids: torch.Tensor | None = None):
-        # every loader's workers (--predict's, --evaluate's, lr_find.py's too) leave a signal to the main
-        # process, which stops them in order: else SIGTERM to the group killed them mid-batch, 60-80 lines
+                 world_size: int = 1, num_workers: int = 0, targets: Targets | None = None,
+                 class_ids: torch.Tensor | None = None):
         self.source, self.labels, self.image = source, labels, image
-        self.worker_init = init or distributed.worker_init
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
         self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
@@ -307,13 +304,15 @@ class Batches:
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
-        generator, as the global one (dropout's too) would start a resumed run's passes elsewhere."""
+        generator, as the global one (dropout's too) would start a resumed run's passes elsewhere. Its
+        workers leave a signal to this process (distributed.worker_init), which stops them in order: a
+        SIGTERM to the process group killed them mid-batch, in 60-80 lines."""
         if self._loader is None:
             self._order = []  # the sampler: a list, given each pass's order in place
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=self.batch_size, sampler=self._order, num_workers=self.num_workers,
                 pin_memory=self.device.type == "cuda", persistent_workers=self.num_workers > 0,
-                worker_init_fn=self.worker_init, generator=torch.Generator().manual_seed(self.seed))
+                worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(self.seed))
         self._order[:] = indices
         return iter(self._loader)
 
@@ -329,10 +328,10 @@ class Batches:
         return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
 
-def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
-                  worker_init=None, *, targets: str = "classes") -> tuple[Batches, Batches, DataInfo]:
+def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1, *,
+                  targets: str = "classes") -> tuple[Batches, Batches, DataInfo]:
     """Train and val batches of `cfg.dataset` on `device`, sharded for this rank, their targets read and
-    checked as the task takes them (`targets`: task.TARGETS; contract.py); workers run worker_init."""
+    checked as the task takes them (`targets`: task.TARGETS; contract.py)."""
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
@@ -373,8 +372,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     sources = ([[t.to(device) for t in split] for split in pairs] if mode == "device" else
                [(split if files else torch.utils.data.TensorDataset(*split), None) for split in pairs])
     common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
-                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, init=worker_init,
-                  targets=spec)
+                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, targets=spec)
     balanced = spec.class_ids if cfg.balance_classes else None
     train_batches = Batches(*sources[0], train=True, class_ids=balanced, **common)
     val_batches = Batches(*sources[1], train=False, **common)

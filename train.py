@@ -80,8 +80,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
     # The data is checked against the task (contract.py) as it loads, and one batch goes through the model.
-    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, distributed.worker_init,
-                                                     targets=task.TARGETS)
+    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
     batches = len(train_batches)
     data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
