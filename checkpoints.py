@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configs import Config, UserError
+from configs import Config, UserError, first_line
 from configs.resolve import check_resumable, resumed_config, task_identity
 from distributed import lock_out_dir, release_all
 
 
-def save_checkpoint(state: dict, path: str | Path) -> None:
+def write_checkpoint(state: dict, path: str | Path) -> None:
     """Write atomically (a temporary file, fsync, os.replace): a crash or kill at any moment leaves either
     the old file or the new one, never a torn one; a failed write is one line (the module's docstring)."""
 
@@ -57,14 +57,13 @@ def load_checkpoint(path: str | Path) -> dict:
         if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; this is something else
             raise UserError(f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); "
                             "delete it or resume from another file") from None
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else "unsafe content"
+        reason = first_line(err, limit=None) if str(err).strip() else "unsafe content"
         if "Weights only load failed" in reason:
             reason = "it holds objects other than tensors and plain data"
         raise UserError(f"checkpoint {path} refused: {reason}; only weights_only checkpoints "
                         "load (nothing in it was executed)") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({first[:120]}); "
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(err, 120)}); "
                         "delete it or resume from another file") from None
     if not isinstance(state, dict):
         raise UserError(f"checkpoint {path} does not hold a dict of training state")
@@ -246,13 +245,12 @@ def downloading(folder: Path, failed: str):
         for empty in created:
             with contextlib.suppress(OSError):
                 empty.rmdir()
-        reason = (str(getattr(err, "reason", "") or err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(failed.format(reason=reason[:100])) from None
+        raise UserError(failed.format(reason=first_line(getattr(err, "reason", "") or err, 100))) from None
 
 
 # ---------------------------------------------------------------- resume
 
-CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config")  # train.py's save_checkpoint
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "run", "config", "data")  # train.py's save()
 RUN_COUNTERS = ("epoch", "batch", "step", "part")
 
 
@@ -266,8 +264,9 @@ def load_resume(cfg: Config, given: dict | None, task) -> tuple[dict, Path, Conf
     if missing := [key for key in CHECKPOINT_KEYS if key not in ckpt]:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint of this "
                         "version")
-    if not (isinstance(ckpt["model"], dict) and isinstance(ckpt["config"], dict)):
-        raise UserError(f"checkpoint {path} is not a train.py checkpoint (model or config is not a dict)")
+    if not all(isinstance(ckpt[key], dict) for key in ("model", "config", "data")):
+        raise UserError(f"checkpoint {path} is not a train.py checkpoint (its model, config or data is not "
+                        "a dict)")
     check_task(ckpt, path, task, "resume it with the task.py it was trained with, or start a new run")
     if not all_finite([t for t in ckpt["model"].values() if isinstance(t, torch.Tensor)]):
         raise UserError(f"checkpoint {path} holds nan or inf weights (a diverged run); start a new "
@@ -336,9 +335,9 @@ class NothingToDo(UserError):
 def check_same_data(ckpt: dict, path: Path, data: dict) -> None:
     """A resume's data must give the epochs the checkpoint's schedule was built for: the same number
     of training examples and batches per epoch, and the same classes (outputs)."""
-    saved = ckpt.get("data")
-    if not isinstance(saved, dict) or saved == data:
-        return  # an older checkpoint records none
+    saved = ckpt["data"]
+    if saved == data:
+        return
     what = [f"{key.replace('_', ' ')} {saved.get(key)} -> {data[key]}" for key in ("train_size", "batches")
             if saved.get(key) != data[key]]
     if saved.get("names") != data["names"]:
@@ -359,8 +358,7 @@ def restore_training_state(ckpt: dict, path: Path, model: nn.Module, optimizer, 
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng_state(ckpt["rng"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
-        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise UserError(f"checkpoint {path} does not fit this model and optimizer ({first}); "
+        raise UserError(f"checkpoint {path} does not fit this model and optimizer ({first_line(err)}); "
                         "resume it with the settings it was written with, or start a new run") from None
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from configs import UserError
+from configs import UserError, first_line
 
 KINDS = ("classes", "values")  # what task.TARGETS may say
 IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
@@ -78,9 +78,8 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
         with torch.no_grad():
             outputs = model(inputs)
     except Exception as err:  # any layer's complaint: wrong channels, dtype, rank, size
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        raise UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first}; add a "
-                        "model for these inputs to MODELS in models.py and pass --model NAME") from None
+        raise UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first_line(err)}; "
+                        "add a model for these inputs to MODELS in models.py and pass --model NAME") from None
     finally:
         model.train(training)
     if not isinstance(outputs, torch.Tensor):

@@ -16,13 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-import configs
 import distributed
 from checkpoints import downloading
-from configs import Config, UserError
+from configs import Config, UserError, first_line
 from contract import IGNORE_INDEX, Targets, as_taken, check_splits
 from models import fit_images, input_needs
 
@@ -77,9 +75,9 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     import torchvision
 
     cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
-    distributed = dist.is_available() and dist.is_initialized()
-    if not (downloader := not distributed or dist.get_rank() == 0):
-        dist.barrier()  # the others wait: several writers would corrupt the archive
+    downloader = distributed.rank() == 0
+    if not downloader:
+        distributed.barrier()  # the others wait: several writers would corrupt the archive
     failed = (f"dataset {cfg.dataset} is not in {_shown(root.resolve())} and could not be downloaded "
               f"({{reason}}); run once with network access, or copy torchvision's {class_name} files there")
     try:
@@ -89,8 +87,8 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
             except RuntimeError:  # not there: rank 0 downloads it (the others fail again)
                 splits = [cls(str(root), train=t, download=downloader) for t in (True, False)]
     finally:
-        if downloader and distributed:
-            dist.barrier()
+        if downloader:
+            distributed.barrier()
     pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
     pairs = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y) for x, y in pairs]
     return Source(*pairs, list(splits[0].classes), pad=pad, flip=flip)
@@ -157,7 +155,6 @@ DATASETS = {"digits": digits, "mnist": functools.partial(torchvision_set, "MNIST
             "cifar10": functools.partial(torchvision_set, "CIFAR10", pad=4, flip=True),
             "cifar100": functools.partial(torchvision_set, "CIFAR100", pad=4, flip=True),
             "imagefolder": image_folder, "csv": csv_images, "synthetic": synthetic}
-configs.REGISTRIES["dataset"] = DATASETS
 
 
 # ---------------------------------------------------------------- batches
@@ -487,7 +484,7 @@ def read_image(path: str, mode: str = "RGB"):
             return image.convert(mode)
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
         reason = ("not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else
-                  (str(err).strip().splitlines() or [type(err).__name__])[0][:100])
+                  first_line(err, 100))
         shown, folder = _shown(path), Path(path).parent.name
         raise UnreadableImage(f"cannot read image {shown} (class folder {folder!r}): {reason}") from None
 

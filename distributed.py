@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from configs import UserError
+from configs import UserError, first_line
 
 # ---------------------------------------------------------------- the device
 
@@ -76,11 +76,18 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    """This process's rank: rank 0 alone prints, logs and saves. Before the process group starts (a
+    failure at start-up), torchrun's RANK says."""
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,7 +118,7 @@ def on_rank0(work: Callable, *args) -> None:
     problem = None
     if not is_distributed():
         work(*args)
-    elif dist.get_rank() == 0:
+    elif rank() == 0:
         try:
             work(*args)
         except UserError as err:
@@ -250,8 +257,7 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
 
 def known_failure(err: BaseException) -> str | None:
     """The one line for a failure torch reports at length, or None for any other error."""
-    text = str(err).strip()
-    first = text.splitlines()[0][:160] if text else type(err).__name__
+    text, first = str(err).strip(), first_line(err)
     if "more than 1 value per channel" in text:
         return (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
                 "more, or larger inputs (--image-size)")
@@ -338,18 +344,6 @@ class Signals:
 
 
 SIGNALS = Signals()  # one per process, as signal handlers are
-
-
-def stop_if_signalled(stop, log_point: bool, device, run, save, saved: bool, say, out_dir: Path,
-                      world_size: int) -> None:
-    """After a signal in train.py's loop: save `run` (unless `saved` just now), say how to continue, and
-    exit 128 + its number."""
-    if stop.now(log_point, device):
-        if not saved:
-            save(run, "last.pt")
-        say(f"interrupted at step {run.step}; saved {out_dir / 'last.pt'}; continue with "
-            f"`{continue_command(out_dir, world_size)}`")
-        raise SystemExit(stop.exit_code)
 
 
 def continue_command(out_dir: Path, world_size: int) -> str:

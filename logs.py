@@ -13,6 +13,7 @@ import io
 import math
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -26,14 +27,18 @@ from configs import Config
 class TensorBoard:
     """Rank 0's TensorBoard writer for a train.py run (with active False, on the other ranks, every
     call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
-    out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's)."""
+    out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's).
+
+    Scalars are kept on the host (`point`) and written at once (`write`: log points and saves), in this
+    thread, appended to the writer's own event file: TensorBoard's add_scalar hands each point to its
+    writer thread, ~5x the CPU a point (docs/speed.md). Pictures go through the writer."""
 
     def __init__(self, out_dir: Path, resumed_step: int | None, active: bool = True):
-        self.out_dir, self.writer, self.moved = out_dir, None, None  # moved: an earlier run's logs
+        self.out_dir, self.writer, self.moved, self.points = out_dir, None, None, []  # moved: earlier logs
         if active:
             quiet_tensorboard_thread()
             with self._errors():
-                self.writer, self.moved = summary_writer(out_dir, resumed_step)
+                self.writer, self.moved, self.event_file = summary_writer(out_dir, resumed_step)
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
@@ -46,34 +51,30 @@ class TensorBoard:
             with contextlib.suppress(OSError):
                 self.writer.close()
 
-    def scalars(self, curves: dict[str, list[tuple[int, float]]]) -> None:
-        """(step, value) points by tag: the loop gathers them, and writes them at log points, here in
-        the loop's thread, in one file write (~10 us a point; 18 with a write each): the writer's
-        thread would trade the GIL with the loop for each point (~40 us of CPU, more beside a busy
-        loop). Where TensorBoard's writer is not as expected, each goes through add_scalar."""
-        if not self.writer:
+    def point(self, tag: str, step: int, value: float) -> None:
+        """A scalar, kept until the next write()."""
+        if self.writer:
+            self.points.append((tag, step, value))
+
+    def write(self) -> None:
+        """The points kept so far, framed in memory and appended to the event file in one write, once
+        the writer has written what it was given before (its thread then waits for more)."""
+        if not (self.writer and self.points):
             return
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        queue = getattr(getattr(self.writer.file_writer, "event_writer", None), "_async_writer", None)
-        file, now = getattr(getattr(queue, "_writer", None), "_writer", None), time.time()
+        buffer, now = io.BytesIO(), time.time()
         with self._errors():
-            if file is None or not hasattr(queue, "_lock"):
-                for tag, points in curves.items():
-                    for step, value in points:
-                        self.writer.add_scalar(tag, value, step)
-                return
-            buffer = io.BytesIO()  # all points framed, then one write: the file opens once, not per point
             framed = RecordWriter(buffer)
-            for tag, points in curves.items():
-                for step, value in points:
-                    point = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-                    framed.write(Event(wall_time=now, step=step, summary=point).SerializeToString())
-            queue.flush()  # what was queued before goes first; then nothing else writes meanwhile
-            with queue._lock:
-                file.write(buffer.getvalue())
+            for tag, step, value in self.points:
+                point = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+                framed.write(Event(wall_time=now, step=step, summary=point).SerializeToString())
+            self.writer.flush()
+            with open(self.event_file, "ab") as f:
+                f.write(buffer.getvalue())
+        self.points = []
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
@@ -98,8 +99,8 @@ class TensorBoard:
 
 
 def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
-    """TensorBoard's writer for a train.py run in out_dir (one run, one set of curves), and the
-    folder an earlier run's logs were moved to, or None.
+    """TensorBoard's writer for a train.py run in out_dir (one run, one set of curves), the folder an
+    earlier run's logs were moved to (or None), and the writer's event file.
 
     A new run first moves an earlier run's event files into a subfolder named after that run's
     start, so the two do not draw over each other. A resumed run tells TensorBoard to drop what
@@ -107,23 +108,21 @@ def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
     """
     from torch.utils.tensorboard import SummaryWriter
 
-    if resumed_step is not None:
-        return SummaryWriter(str(out_dir), purge_step=resumed_step + 1), None
-    earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # events.out.tfevents.<unix time>.<host>...
-    if not earlier:
-        return SummaryWriter(str(out_dir)), None
-    stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
-    started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
-    if (out_dir / "hparams").is_dir():  # where add_hparams() put HPARAMS data before
-        earlier.append(out_dir / "hparams")
-    folder, n = out_dir / started, 1
-    while folder.exists():
-        n += 1
-        folder = out_dir / f"{started}-{n}"
-    folder.mkdir()
-    for path in earlier:
-        path.rename(folder / path.name)
-    return SummaryWriter(str(out_dir)), folder
+    earlier, moved = sorted(out_dir.glob("events.out.tfevents.*")), None  # ...tfevents.<unix time>.<host>...
+    if resumed_step is None and earlier:
+        stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
+        started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
+        moved, n = out_dir / started, 1
+        while moved.exists():
+            n += 1
+            moved = out_dir / f"{started}-{n}"
+        moved.mkdir()
+        for path in earlier:
+            path.rename(moved / path.name)
+    suffix = f".{uuid.uuid4().hex[:8]}"  # names this writer's event file among the run's
+    purge = None if resumed_step is None else resumed_step + 1
+    writer = SummaryWriter(str(out_dir), purge_step=purge, filename_suffix=suffix)
+    return writer, moved, next(out_dir.glob(f"events.out.tfevents.*{suffix}"))
 
 
 def quiet_tensorboard_thread() -> None:
@@ -148,42 +147,21 @@ def quiet_tensorboard_thread() -> None:
 # ---------------------------------------------------------------- what the loop shows
 
 
-def announce(cfg: Config, task, info, model, device, world_size: int, amp_dtype, lr: float,
-             total_steps: int, tensorboard: TensorBoard, say) -> None:
-    """What this run is, said once at start-up."""
+def announce(cfg: Config, task, info, moved: Path | None, say) -> None:
+    """What this run's data is, said once at start-up, with what was checked and changed (`moved`: where
+    an earlier run's TensorBoard logs went)."""
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
         f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
-    moved = tensorboard.moved and f"TensorBoard logs of an earlier run moved to {tensorboard.moved}"
+    moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
     for note in filter(None, [*info.notes, task.pictures_note(info.images), moved]):
         say(note)
-    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
-        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
-        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
-
-
-def log_train_loss(run, tensorboard: TensorBoard, bar) -> float:
-    """A log point of train.py's `run`: the loss since the last one (its summed losses over their
-    normalizers' sum), read from the device once with the run's first loss; the rates and the loss to
-    TensorBoard and the progress bar."""
-    mean = torch.stack(run.losses).sum() / sum(run.counts)
-    train_loss, first = torch.stack([mean, run.first_loss]).tolist()
-    run.start_loss = first if run.start_loss is None else run.start_loss
-    tensorboard.scalars({"train/lr": run.rates, "train/loss": [(run.step, train_loss)]})
-    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{run.rates[-1][1]:.3g}", refresh=False)
-    bar.update(run.batch - bar.n)
-    run.losses, run.counts, run.rates = [], [], []
-    return train_loss
-
-
-def inputs(batch, targets, task, names: list[str], pixels, run, tensorboard: TensorBoard) -> None:
-    """A fresh run's first batch as the model receives it, once, to check the data pipeline by eye."""
-    if run.step == 0:
-        tensorboard.images({"inputs": task.input_picture(batch, targets, names, pixels)}, 0)
 
 
 def log_evaluation(val, task, names: list[str], pixels, step: int, tensorboard: TensorBoard) -> None:
     """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
-    tensorboard.scalars({f"val/{name}": [(step, val.metrics[name])] for name in task.METRICS})
+    for name in task.METRICS:
+        tensorboard.point(f"val/{name}", step, val.metrics[name])
+    tensorboard.write()
     pictures = task.pictures(val, names, pixels)
     tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
 
@@ -196,20 +174,17 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
                  "the next part resumed from (time after a part's last save was lost)")
 
 
-def run_summary(task, val, run, lr: float, epochs: int, epoch_rates: list[float], world_size: int,
-                device: torch.device, in_sync: bool) -> dict:
-    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran) and the best
-    main metric, then how the run went (`run`: train.py's Run, as it ended)."""
-    steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+def run_summary(task, val, progress, seconds: float, facts: dict) -> dict:
+    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran) and the best main
+    metric, then how the run went: `progress` (train.Progress) as it ended, this part's `seconds`, and
+    `facts` (epochs, examples_per_second, lr, world_size, device, ranks_in_sync)."""
     metrics = {f"val_{name}": val.metrics[name] if val else math.nan for name in task.METRICS}
-    seconds, seconds_before, part = time.perf_counter() - run.started, run.seconds_before, run.part
-    best = math.nan if run.best is None else run.best
-    return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": epochs, "steps": run.step,
-            "seconds": seconds, "total_seconds": seconds_before + seconds, "parts": part,
-            "seconds_cover": SECONDS_COVER if part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}",
-            "examples_per_second": sum(steady) / len(steady) if steady else math.nan,
-            "lr": lr, "world_size": world_size, "device": str(device), "ranks_in_sync": in_sync,
-            **(val.details if val else {})}
+    best = math.nan if progress.best is None else progress.best
+    cover = SECONDS_COVER if progress.part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}"
+    facts = dict(facts)
+    return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": facts.pop("epochs"),
+            "steps": progress.step, "seconds": seconds, "total_seconds": progress.seconds_before + seconds,
+            "parts": progress.part, "seconds_cover": cover, **facts, **(val.details if val else {})}
 
 
 def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tensorboard: TensorBoard) -> None:
@@ -229,23 +204,20 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
           f"{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}; logs and checkpoints in {out_dir}")
 
 
-def report_evaluation(task, val, pictures: dict, *, val_size: int, checkpoint: Path, step: int | None,
-                      dataset: str, out_dir: Path, is_main: bool) -> dict:
-    """--evaluate's report: printed, and written as eval.json and eval_<picture>.png (rank 0)."""
-    report = {"checkpoint": str(checkpoint), "step": step, "dataset": dataset, "val_size": val_size,
-              **{f"val_{name}": val.metrics[name] for name in task.METRICS}, **val.details}
-    if is_main:
-        print(f"{checkpoint} on the {val_size} {dataset} validation examples: {task.describe(val)}")
-        for line in task.report(val):
-            print(f"  {line}")
-        write_json_atomic(out_dir / "eval.json", report)
-        wrote = [out_dir / "eval.json"]
-        for name in task.SAVED_PICTURES:
-            if pictures.get(name) is not None:
-                write_png_atomic(out_dir / f"eval_{name}.png", pictures[name])
-                wrote.append(out_dir / f"eval_{name}.png")
-        print(f"wrote {' and '.join(map(str, wrote))}")
-    return report
+def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) -> None:
+    """--evaluate's report (train.evaluate_checkpoint builds it): printed, and written as eval.json and
+    eval_<picture>.png."""
+    print(f"{report['checkpoint']} on the {report['val_size']} {report['dataset']} validation examples: "
+          f"{task.describe(val)}")
+    for line in task.report(val):
+        print(f"  {line}")
+    write_json_atomic(out_dir / "eval.json", report)
+    wrote = [out_dir / "eval.json"]
+    for name in task.SAVED_PICTURES:
+        if pictures.get(name) is not None:
+            write_png_atomic(out_dir / f"eval_{name}.png", pictures[name])
+            wrote.append(out_dir / f"eval_{name}.png")
+    print(f"wrote {' and '.join(map(str, wrote))}")
 
 
 def write_predictions(path: Path, header: list[str], rows: list[list], files: list[Path], skipped: str,

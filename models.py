@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import configs
+import distributed
 from checkpoints import downloading, load_checkpoint
 from configs import Config, UserError
 
@@ -229,7 +229,7 @@ def _shape(value) -> str:
 
 def _say(text: str) -> None:
     """Said once at start-up, by one process under torchrun."""
-    if os.environ.get("RANK", "0") == "0":
+    if distributed.rank() == 0:
         print(text)
 
 
@@ -298,7 +298,6 @@ OPTIMIZERS = {
     "sgd": OptimizerEntry(_sgd, "sgd", ("momentum", "nesterov")),
     "adamw": OptimizerEntry(_adamw, "adaptive"),
 }
-configs.REGISTRIES["optimizer"] = OPTIMIZERS
 
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float,

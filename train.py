@@ -11,14 +11,12 @@ distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import re
 import sys
 import time
-from contextlib import closing, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import closing, nullcontext
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,15 +31,14 @@ import task as default_task
 from configs import Config, UserError, parse_given, resolve
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
-from distributed import continue_command, stop_if_signalled
+from distributed import continue_command
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
 
 @dataclass
-class Run:
-    """Where a run stands. The first seven fields are saved in each checkpoint and read back on
-    resume; the others are this process's own."""
+class Progress:
+    """Where a run stands: saved whole in each checkpoint ("run") and read back by name on resume."""
 
     epoch: int = 0  # the run continues at this epoch's batch `batch`
     batch: int = 0
@@ -50,19 +47,6 @@ class Run:
     start_loss: float | None = None  # the run's first batch loss, the yardstick for divergence
     seconds_before: float = 0.0  # training time of the run's earlier parts, up to their last save
     part: int = 1  # 2 and up: resumed
-    started: float = field(default_factory=time.perf_counter)  # when this part's loop started
-    saved_at: tuple | None = None  # (epoch, batch) and step of the last.pt on disk, if any
-    saved_step: int | None = None
-    first_loss: torch.Tensor | None = None  # start_loss still on the device
-    losses: list = field(default_factory=list)  # summed batch losses since the last log point, on the device
-    counts: list = field(default_factory=list)  # their normalizers (numbers, or tensors on the device)
-    rates: list = field(default_factory=list)  # (step, lr) since the last log point, on the host
-
-    def improves(self, score: float, higher_is_better: bool) -> bool:
-        """Whether an evaluation's main metric beats the best so far, which it then becomes."""
-        better = self.best is None or (score > self.best if higher_is_better else score < self.best)
-        self.best = score if better else self.best
-        return better
 
 
 def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
@@ -71,195 +55,205 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # an --out-dir that cannot be written, or holds an unfinished run, is refused before any data loads.
     ckpt, path, cfg = checkpoints.load_resume(cfg, given, task) if cfg.resume else (None, None, cfg)
     rank, world_size, device = distributed.setup(cfg.device)
-    is_main = rank == 0  # rank 0 alone prints, logs and saves
-    say = print if is_main else (lambda *a, **k: None)
+    say = print if rank == 0 else (lambda *a, **k: None)  # rank 0 alone prints, logs and saves
     out_dir = Path(cfg.out_dir)
     lr = resolve.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
     distributed.on_rank0(checkpoints.claim_out_dir, out_dir, path)
     torch.manual_seed(cfg.seed)
 
-    # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's.
-    # The data is checked against the task (contract.py) as it loads, and one batch goes through the model.
+    # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's. The
+    # data is checked against the task as it loads, and two examples go through the model (contract.py).
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
-    batches = len(train_batches)
-    data = {"train_size": info.train_size, "batches": batches, "names": info.names}  # a resume checks it
+    steps_in_epoch = len(train_batches)  # micro-batches, strictly: a step takes accum_steps of them
+    data = {"train_size": info.train_size, "batches": steps_in_epoch, "names": info.names}  # resume checks it
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     info.notes.append(check_model(model, train_batches, task, cfg, info))
     amp_dtype, scaler = amp_setup(device, cfg.amp)
-    criterion = functools.partial(task.loss, cfg=cfg, info=info)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
-        lr = find_lr(cfg, task, model, train_batches, info, amp_dtype, scaler, device)
+        lr = find_lr(cfg, task, model, train_batches, info, amp_dtype, scaler)
     optimizer = build_optimizer(model, cfg, lr)
-    scheduler, total_steps = make_scheduler(cfg, optimizer, batches)
+    scheduler, total_steps = make_scheduler(cfg, optimizer, steps_in_epoch)
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
-    # Resume: every state as it was saved, and where the run stood.
-    run = resume(ckpt, path, cfg, data, model, optimizer, scheduler, scaler, say) if ckpt else Run()
+    # Resume: every state as it was saved (the RNGs' too), on data that gives the same epochs.
+    progress, saved = Progress(), None  # saved: where the last.pt on disk stands
+    if ckpt:
+        checkpoints.check_same_data(ckpt, path, data)
+        checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
+        progress = saved = Progress(**{**ckpt["run"], "part": ckpt["run"]["part"] + 1})
+        where = checkpoints.position(progress.epoch, progress.batch, cfg.epochs, steps_in_epoch)
+        say(f"resumed from {path} at step {progress.step} ({where})")
 
-    # The model three ways: `model`, the plain module, is what is saved; `compiled` runs, in evaluation too
+    # The model three ways: `model`, the plain module, is what is saved; `runner` runs it, in evaluation too
     # (torch.compile'd, or under --cuda-graphs captured after the restore, else model itself); `ddp_model`
-    # trains (under torchrun in DDP, which all-reduces the gradients; else compiled itself).
-    compiled = runnable(model, cfg, device, amp_dtype, world_size, train_batches)
-    ddp_model = compiled if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
-        compiled, device_ids=[device.index] if device.type == "cuda" else None)
+    # trains (under torchrun in DDP, which all-reduces the gradients; else runner itself).
+    runner = runnable(model, cfg, device, amp_dtype, world_size, train_batches)
+    ddp_model = runner if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
+        runner, device_ids=[device.index] if device.type == "cuda" else None)
 
     # Outputs: the resolved config and TensorBoard (rank 0), and what this run is, said once.
     distributed.on_rank0(checkpoints.write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    tensorboard = logs.TensorBoard(out_dir, run.step if ckpt else None, active=is_main)
-    save = functools.partial(save_checkpoint, tensorboard=tensorboard, cfg=cfg, lr=lr, task=task, model=model,
-                             optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps,
-                             data=data, inputs=info.inputs_record())
-    logs.announce(cfg, task, info, model, device, world_size, amp_dtype, lr, total_steps, tensorboard, say)
+    tensorboard = logs.TensorBoard(out_dir, progress.step if ckpt else None, active=rank == 0)
+    logs.announce(cfg, task, info, tensorboard.moved, say)
+    say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
+        f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
+        f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
+
+    def save(name: str) -> Progress:
+        """A checkpoint that continues where `progress` stands: every state a run continues from bit for
+        bit (the RNGs' too), where it stood, and its config; never one of nan or inf weights. TensorBoard
+        writes its points first: its log holds every step saved. Returns where the file stands."""
+        if not checkpoints.all_finite(model.state_dict().values()):
+            raise diverged("the weights hold nan or inf", lr, optimizer, progress, saved, out_dir)
+        tensorboard.write()
+        if rank == 0:  # the other ranks hold the same states
+            with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
+                checkpoints.write_checkpoint({
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else None,
+                    "rng": checkpoints.capture_rng_state(),
+                    "run": {**asdict(progress),
+                            "seconds_before": progress.seconds_before + time.perf_counter() - started},
+                    "config": {**cfg.to_dict(), "lr": lr},
+                    "task": task.NAME, "task_source": resolve.task_identity(task)["source"],
+                    "data": data,  # what fixes the schedule: a resume on other data is refused
+                    "inputs": info.inputs_record(),  # what the model takes; how --predict reads images
+                    "step": progress.step, "total_steps": total_steps,  # what --evaluate and run checks read
+                }, out_dir / name)
+        return replace(progress)
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
-    val, epoch_rates, seeds = None, [], {}
+    val, epoch_rates, seeds, started = None, [], {}, time.perf_counter()
+    bar_shown = rank == 0 and sys.stdout.isatty()  # a progress bar in a terminal, not in a log file
+    losses, counts = [], []  # since the last log point, on the device: summed losses, their normalizers
     with (tensorboard, distributed.holding(out_dir), closing(train_batches), closing(val_batches),
-          distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as stop,
-          stops_in_one_line(run, save, out_dir, world_size)):
-        for epoch in range(run.epoch, cfg.epochs):
-            run.epoch = epoch  # (evaluate() puts the model back in train mode)
-            bar = tqdm(total=batches, initial=run.batch, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                       disable=not (is_main and sys.stdout.isatty()))
-            epoch_start, first_batch = time.perf_counter(), run.batch
-            stream = train_batches.epoch(epoch, run.batch)
-            while run.batch < batches:
-                # Accumulation: accum_steps micro-batches a step (the epoch's last step may get fewer),
-                # drawn first: each summed loss is weighted by the step's normalizer over all of them and
-                # every process, so that a step is one batch k x N times as large, for weighted and
-                # masked means too. Only the last backward all-reduces.
-                window = [next(stream) for _ in range(min(cfg.accum_steps, batches - run.batch))]
-                counts = [task.normalizer(targets, cfg, info) for _, targets in window]
-                weight = step_weight(counts, world_size, device, seeds)
-                for micro_step, (inputs, targets) in enumerate(window):
-                    last = micro_step == len(window) - 1
-                    with nullcontext() if last or world_size == 1 else ddp_model.no_sync():
-                        with autocast(device, amp_dtype):
-                            loss = criterion(ddp_model(inputs), targets)
-                        # backward from `weight` rather than 1: loss x weight's gradients, with no multiply
-                        (scaler.scale(loss) if scaler is not None else loss).backward(weight)
-                    run.losses.append(loss.detach())
-                    if run.first_loss is None:  # the divergence yardstick; the inputs as the model sees them
-                        run.first_loss = run.losses[0] / counts[0]
-                        logs.inputs(inputs, targets, task, info.names, train_batches.pixels, run, tensorboard)
-                run.counts += counts
+          distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as signals):
+        try:
+            for epoch in range(progress.epoch, cfg.epochs):
+                progress.epoch = epoch  # (evaluate() puts the model back in train mode)
+                bar = tqdm(total=steps_in_epoch, initial=progress.batch, leave=False, disable=not bar_shown,
+                           desc=f"epoch {epoch + 1}/{cfg.epochs}")
+                epoch_start, first_batch = time.perf_counter(), progress.batch
+                stream = train_batches.epoch(epoch, progress.batch)
+                while progress.batch < steps_in_epoch:
+                    # Accumulation: accum_steps micro-batches a step (the epoch's last step may get fewer),
+                    # drawn first: each summed loss is weighted by the step's normalizer over all of them
+                    # and every process, so that a step is one batch k x N times as large, for weighted
+                    # and masked means too. Only the last backward all-reduces.
+                    size = min(cfg.accum_steps, steps_in_epoch - progress.batch)
+                    window = [next(stream) for _ in range(size)]
+                    normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
+                    weight = step_weight(normalizers, world_size, device, seeds)
+                    for micro_step, (inputs, targets) in enumerate(window):
+                        last = micro_step == len(window) - 1
+                        with nullcontext() if last or world_size == 1 else ddp_model.no_sync():
+                            with autocast(device, amp_dtype):
+                                loss = task.loss(ddp_model(inputs), targets, cfg, info)
+                            # backward from `weight` rather than 1: loss x weight's gradients, no multiply
+                            (scaler.scale(loss) if scaler is not None else loss).backward(weight)
+                        losses.append(loss.detach())
+                        if progress.start_loss is None:  # a fresh run's first batch: the divergence
+                            progress.start_loss = (losses[0] / normalizers[0]).item()  # yardstick, read once
+                            tensorboard.images({"inputs": task.input_picture(inputs, targets, info.names,
+                                                                             train_batches.pixels)}, 0)
+                    counts += normalizers
 
-                # The optimizer step, and the scheduler's with it (both skipped where GradScaler
-                # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
-                run.rates.append((run.step + 1, optimizer.param_groups[0]["lr"]))
-                optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
-                optimizer.zero_grad(set_to_none=True)
-                run.step, run.batch = run.step + 1, run.batch + len(window)
+                    # The optimizer step, and the scheduler's with it (both skipped where GradScaler
+                    # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
+                    tensorboard.point("train/lr", progress.step + 1, optimizer.param_groups[0]["lr"])
+                    optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
+                    optimizer.zero_grad(set_to_none=True)
+                    progress.step, progress.batch = progress.step + 1, progress.batch + len(window)
 
-                # Log points (every log_every steps, and the epoch's last) are the only place the
-                # loop reads the device: the mean loss, and the divergence check on it.
-                log_point = run.step % cfg.log_every == 0 or run.batch == batches
-                if log_point:
-                    why = divergence(logs.log_train_loss(run, tensorboard, bar), run.start_loss)
-                    if distributed.any_rank(why is not None, device):  # all ranks stop at one step
-                        raise diverged(why or "diverged on another process", optimizer, lr, run, out_dir)
+                    # Log points (every log_every steps, and the epoch's last) are the only place the
+                    # loop reads the device: the loss since the last one, and the divergence check on it.
+                    log_point = progress.step % cfg.log_every == 0 or progress.batch == steps_in_epoch
+                    if log_point:
+                        train_loss = (torch.stack(losses).sum() / sum(counts)).item()
+                        losses, counts = [], []
+                        tensorboard.point("train/loss", progress.step, train_loss)
+                        tensorboard.write()
+                        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}",
+                                        refresh=False)
+                        bar.update(progress.batch - bar.n)
+                        why = divergence(train_loss, progress.start_loss)
+                        if distributed.any_rank(why is not None, device):  # all ranks stop at one step
+                            raise diverged(why or "diverged on another process", lr, optimizer, progress,
+                                           saved, out_dir)
 
-                # Ctrl-C, SIGTERM or SIGHUP: save, then stop (Signals.now says when, under torchrun too).
-                if periodic := bool(cfg.save_every) and run.step % cfg.save_every == 0:
-                    save(run, "last.pt")
-                stop_if_signalled(stop, log_point, device, run, save, periodic, say, out_dir, world_size)
-            bar.close()
+                    # Ctrl-C, SIGTERM or SIGHUP: save, then stop (Signals.now says when, under torchrun too).
+                    periodic = bool(cfg.save_every) and progress.step % cfg.save_every == 0
+                    if periodic:
+                        saved = save("last.pt")
+                    if signals.now(log_point, device):
+                        saved = saved if periodic else save("last.pt")
+                        raise stopped(progress.step, out_dir, world_size, say)
+                bar.close()
 
-            # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
-            distributed.sync_buffers(model)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
-            examples = (batches - first_batch) * cfg.batch_size  # all processes'; none if resumed at its end
-            epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
-            val = evaluate(compiled, val_batches, task, cfg, info, device, amp_dtype)
-            logs.log_evaluation(val, task, info.names, val_batches.pixels, run.step, tensorboard)
-            rate = f"  ({epoch_rates[-1]:,.0f} {'img' if info.images else 'examples'}/s)" if examples else ""
-            line = f"epoch {epoch + 1}/{cfg.epochs}  step {run.step}  {task.describe(val)}{rate}"
-            if not math.isfinite(val.metrics["loss"]):
-                say(line)
-                raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", optimizer, lr, run,
-                               out_dir)
-            improved = run.improves(val.metrics[task.MAIN_METRIC], task.HIGHER_IS_BETTER)
-            run.epoch, run.batch = epoch + 1, 0
-            save(run, "last.pt")
-            if improved:
-                save(run, "best.pt")
-            say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
-            stop_if_signalled(stop, True, device, run, save, True, say, out_dir, world_size)  # one in eval
+                # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
+                distributed.sync_buffers(model)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
+                examples = cfg.batch_size * (steps_in_epoch - first_batch)  # all processes'
+                epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
+                val = evaluate(runner, val_batches, task, cfg, info, device, amp_dtype)
+                logs.log_evaluation(val, task, info.names, val_batches.pixels, progress.step, tensorboard)
+                unit = "img" if info.images else "examples"
+                rate = f"  ({epoch_rates[-1]:,.0f} {unit}/s)" if examples else ""
+                line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
+                if not math.isfinite(val.metrics["loss"]):
+                    say(line)
+                    raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", lr, optimizer,
+                                   progress, saved, out_dir)
+                score = val.metrics[task.MAIN_METRIC]
+                improved = progress.best is None or (score > progress.best if task.HIGHER_IS_BETTER
+                                                     else score < progress.best)
+                progress.epoch, progress.batch = epoch + 1, 0
+                progress.best = score if improved else progress.best
+                saved = save("last.pt")
+                if improved:
+                    save("best.pt")
+                say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
+                if signals.now(True, device):  # a signal in the evaluation: saved just now
+                    raise stopped(progress.step, out_dir, world_size, say)
+        except UnreadableImage as err:  # an image the data cannot decode stops the run as Ctrl-C does
+            if saved is None or (saved.epoch, saved.batch) != (progress.epoch, progress.batch):
+                saved = save("last.pt")
+            then = ("nothing was trained yet; replace or delete it and run again" if saved is None else
+                    f"{holds(saved, out_dir)}; replace or delete it, then {resuming(out_dir, world_size)}")
+            raise UnreadableImage(f"{err}; {then}") from None
+        except distributed.Interrupted as err:  # a second signal: stopped at once
+            left = ("no checkpoint was written" if saved is None
+                    else f"{holds(saved, out_dir)}; {resuming(out_dir, world_size)}")
+            raise UserError(f"interrupted again by {err}: stopped at once at step {progress.step}; {left}",
+                            128 + err.signum) from None
 
         # Summary, while the folder is still this run's. Every rank takes part in ranks_agree, a
         # collective; rank 0 then writes the files while the others wait, so all leave together.
-        summary = logs.run_summary(task, val, run, lr, cfg.epochs, epoch_rates, world_size, device,
-                                   distributed.ranks_agree(model))
+        steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+        summary = logs.run_summary(task, val, progress, time.perf_counter() - started, {
+            "epochs": cfg.epochs, "examples_per_second": sum(steady) / len(steady) if steady else math.nan,
+            "lr": lr, "world_size": world_size, "device": str(device),
+            "ranks_in_sync": distributed.ranks_agree(model)})
         distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
     return summary
 
 
-def save_checkpoint(run: Run, name: str, *, tensorboard: logs.TensorBoard, cfg: Config, lr: float, task,
-                    model, optimizer, scheduler, scaler, total_steps: int, data: dict,
-                    inputs: dict | None = None) -> None:
-    """A checkpoint that continues where `run` stands: the states a run continues from bit for bit
-    (every RNG's included), where it stood, and its config. Never one of nan or inf weights. The
-    rates kept since the last log point go to TensorBoard first: its log holds every step saved."""
-    path = Path(cfg.out_dir) / name
-    if not checkpoints.all_finite(model.state_dict().values()):
-        raise diverged("the weights hold nan or inf", optimizer, lr, run, path.parent)
-    tensorboard.scalars({"train/lr": run.rates})
-    run.rates = []
-    if run.start_loss is None and run.first_loss is not None:  # saving reads the device anyway
-        run.start_loss = run.first_loss.item()
-    if distributed.rank() == 0:  # the other ranks hold the same states
-        with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
-            checkpoints.save_checkpoint({
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng": checkpoints.capture_rng_state(),
-                "run": {"epoch": run.epoch, "batch": run.batch, "step": run.step, "best": run.best,
-                        "start_loss": run.start_loss, "part": run.part,
-                        "seconds_before": run.seconds_before + time.perf_counter() - run.started},
-                "config": {**cfg.to_dict(), "lr": lr},
-                "task": task.NAME, "task_source": resolve.task_identity(task)["source"],
-                "data": data,  # what fixes the schedule: a resume on other data is refused
-                "inputs": inputs,  # their shape and dtype; how images were read, as --predict reads new ones
-                "step": run.step, "total_steps": total_steps,  # what --evaluate and the run checks read
-            }, path)
-    if name == "last.pt":
-        run.saved_at, run.saved_step = (run.epoch, run.batch), run.step
+def stopped(step: int, out_dir: Path, world_size: int, say) -> SystemExit:
+    """After a signal, the run saved at `step`: say how to continue, and exit 128 + its number."""
+    say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; {resuming(out_dir, world_size)}")
+    return SystemExit(distributed.SIGNALS.exit_code)
 
 
-@contextmanager
-def stops_in_one_line(run: Run, save, out_dir: Path, world_size: int):
-    """An image the data cannot decode stops the run as Ctrl-C does: save, then say which file. A
-    second signal stops it at once: say what last.pt holds."""
-    try:
-        yield
-    except UnreadableImage as err:
-        if (run.epoch, run.batch) != run.saved_at:
-            save(run, "last.pt")
-        then = ("nothing was trained yet; replace or delete it and run again" if run.saved_step is None
-                else f"{out_dir / 'last.pt'} holds step {run.saved_step}; replace or delete it, then "
-                f"continue with `{continue_command(out_dir, world_size)}`")
-        raise UnreadableImage(f"{err}; {then}") from None
-    except distributed.Interrupted as err:
-        kept = ("no checkpoint was written" if run.saved_step is None else f"{out_dir / 'last.pt'} holds "
-                f"step {run.saved_step}; continue with `{continue_command(out_dir, world_size)}`")
-        raise UserError(f"interrupted again by {err}: stopped at once at step {run.step}; {kept}",
-                        128 + err.signum) from None
+def holds(saved: Progress, out_dir: Path) -> str:
+    return f"{out_dir / 'last.pt'} holds step {saved.step}"
 
 
-def resume(ckpt: dict, path: Path, cfg: Config, data: dict, model, optimizer, scheduler, scaler, say) -> Run:
-    """Every state as it was saved (the RNGs' too), and the run as it stood: its next part. Data that
-    no longer gives the same epochs is refused, before any state is put back."""
-    checkpoints.check_same_data(ckpt, path, data)
-    checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
-    saved = ckpt["run"]
-    run = Run(**{**saved, "part": saved["part"] + 1}, saved_at=(saved["epoch"], saved["batch"]),
-              saved_step=saved["step"])
-    say(f"resumed from {path} at step {run.step} "
-        f"({checkpoints.position(run.epoch, run.batch, cfg.epochs, data['batches'])})")
-    return run
+def resuming(out_dir: Path, world_size: int) -> str:
+    return f"continue with `{continue_command(out_dir, world_size)}`"
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
@@ -318,7 +312,7 @@ def evaluate(model, batches, task, cfg: Config, info, device, amp_dtype):
 # ---------------------------------------------------------------- --lr find
 
 
-def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler, device: torch.device) -> float:
+def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler) -> float:
     """--lr find: lr_find.py's sweep on this very model and data, its files written, its suggestion.
 
     Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
@@ -326,7 +320,7 @@ def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler, device: 
     sweeping together would need the stop rule agreed at every step; one rank keeps lr_find as it is.
     """
     found = problem = None
-    world_size = distributed.world_size()
+    world_size, device = distributed.world_size(), batches.device
     check_graphs(cfg, device, amp_dtype, world_size)  # a --cuda-graphs the run will refuse: before the sweep
     if distributed.rank() == 0:
         try:
@@ -367,18 +361,19 @@ def divergence(train_loss: float, start_loss: float) -> str | None:
     return None
 
 
-def diverged(what: str, optimizer, lr: float, run: Run, out_dir: Path) -> UserError:
+def diverged(what: str, lr: float, optimizer, progress: Progress, saved: Progress | None,
+             out_dir: Path) -> UserError:
     """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
     first loss that is not finite came before any step: the data or the model, not the rate."""
     at_lr = optimizer.param_groups[0]["lr"]
-    kept = ("this run wrote no checkpoint" if run.saved_step is None
-            else f"{out_dir / 'last.pt'} still holds step {run.saved_step}")
-    if run.start_loss is not None and not math.isfinite(run.start_loss):
-        return UserError(f"the first batch's loss is {run.start_loss}, before any optimizer step: not the "
-                         "learning rate but the data or the model (nan or inf in the inputs or targets, or a "
-                         f"layer that makes them); check them, e.g. the dataset's files; {kept}")
-    return UserError(f"training diverged at step {run.step} ({what}; lr {at_lr:.3g}): try a lower --lr than "
-                     f"{lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
+    kept = ("this run wrote no checkpoint" if saved is None
+            else f"{out_dir / 'last.pt'} still holds step {saved.step}")
+    if progress.start_loss is not None and not math.isfinite(progress.start_loss):
+        return UserError(f"the first batch's loss is {progress.start_loss}, before any optimizer step: not "
+                         "the learning rate but the data or the model (nan or inf in the inputs or targets, "
+                         f"or a layer that makes them); check them, e.g. the dataset's files; {kept}")
+    return UserError(f"training diverged at step {progress.step} ({what}; lr {at_lr:.3g}): try a lower --lr "
+                     f"than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
                      f"to find one; {kept}")
 
 
@@ -408,10 +403,12 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     with closing(val_batches):  # its workers stop on the way out, as train() and predict()'s do
         val = evaluate(model, val_batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    pictures = task.pictures(val, info.names, None)
-    return logs.report_evaluation(task, val, pictures, val_size=info.val_size, checkpoint=path,
-                                  step=ckpt.get("step"), dataset=cfg.dataset, out_dir=out_dir,
-                                  is_main=rank == 0)
+    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset,
+              "val_size": info.val_size, **{f"val_{name}": val.metrics[name] for name in task.METRICS},
+              **val.details}
+    if rank == 0:
+        logs.report_evaluation(task, val, report, task.pictures(val, info.names, None), out_dir)
+    return report
 
 
 @torch.no_grad()
@@ -471,16 +468,16 @@ def main() -> None:
             train(cfg, given)
     except UserError as err:
         if err.code == 0:  # nothing to do (a complete run resumed): said, and not an error
-            if os.environ.get("RANK", "0") == "0":
+            if distributed.rank() == 0:
                 print(err)
             return
         # Under torchrun, one line from one process; a file only one rank read, from that rank.
-        if os.environ.get("RANK", "0") == "0" or isinstance(err, UnreadableImage):
+        if distributed.rank() == 0 or isinstance(err, UnreadableImage):
             distributed.tell_torchrun(f"error: {err}")
             configs.exit_with_error(str(err), err.code)
         raise SystemExit(err.code) from None
     except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
-        if os.environ.get("RANK", "0") != "0" and not isinstance(err, KeyboardInterrupt):
+        if distributed.rank() != 0 and not isinstance(err, KeyboardInterrupt):
             raise  # torch's long report, from rank 0 alone
         configs.exit_with_error(*distributed.failure_line(
             err, " outside the training loop; every checkpoint is as it was: run the command again, or "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import math
 import shlex
 import sys
@@ -17,13 +18,13 @@ from pathlib import Path
 
 import tomllib
 
-SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")  # = schedules.SCHEDULES (a test checks)
-# Names defined by the modules that build them, in one dict each: data.py puts DATASETS here, models.py
-# OPTIMIZERS, when imported; the fields that name one (registry=...) take their choices from them.
-REGISTRIES: dict[str, dict] = {}
+# The names a field may take from another module, each defined once there (the one list --help, the
+# checks and the README read): a field with registry=KIND takes its choices from it when a config is
+# checked, and no module fills in another's.
+REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZERS"),
+              "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
-FIND_METHODS = ("auto", "minimum", "min/3", "min/10")  # lr_find.METHODS + auto
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
@@ -38,8 +39,8 @@ LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf
 
 def setting(default, help: str, *, choices: tuple[str, ...] | None = None, registry: str | None = None,
             limits: str | None = None, may_change: bool = False, keeps_lr: bool = False):
-    """One Config field with everything about it: default, help, allowed values (choices, or the names
-    in REGISTRIES[registry]) or range, and two rules. may_change: it only changes how a run is run or
+    """One Config field with everything about it: default, help, allowed values (choices, and the names
+    of registry(registry)) or range, and two rules. may_change: it only changes how a run is run or
     watched, so a resume may change it. keeps_lr: it cannot move the best learning rate (a path, the
     schedule's shape), so --lr auto does not compare it with lr_find.json's; all others are compared."""
     assert limits is None or limits in LIMITS, limits
@@ -47,14 +48,17 @@ def setting(default, help: str, *, choices: tuple[str, ...] | None = None, regis
                                                 may_change=may_change, keeps_lr=keeps_lr))
 
 
+def registry(kind: str):
+    """The dict (or tuple) of names that REGISTRIES[kind] points at, from the module that defines it."""
+    module, name = REGISTRIES[kind]
+    return getattr(importlib.import_module(module), name)
+
+
 def choices_of(f) -> tuple[str, ...] | None:
-    """A field's allowed values: its own choices, or the names of its registry."""
+    """A field's allowed values: its own choices, then the names of its registry."""
     if f.metadata["registry"] is None:
         return f.metadata["choices"]
-    if f.metadata["registry"] not in REGISTRIES:
-        raise RuntimeError(f"configs.REGISTRIES has no {f.metadata['registry']!r}: import data and models "
-                           "before parsing a config")
-    return tuple(REGISTRIES[f.metadata["registry"]])
+    return (*(f.metadata["choices"] or ()), *registry(f.metadata["registry"]))
 
 
 @dataclass
@@ -109,7 +113,7 @@ class Config:
     # schedule (counts in epochs here, converted to optimizer steps by schedules.py); lr_find's sweep
     # does not depend on any of them, so --lr auto compares none
     schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step",
-                            choices=SCHEDULES, keeps_lr=True)
+                            registry="schedule", keeps_lr=True)
     epochs: int = setting(10, "passes over the training set", limits="> 0", keeps_lr=True)
     batch_size: int = setting(128, "global: split across processes under torchrun", limits="> 0")
     accum_steps: int = setting(1, "batches per optimizer step (gradient accumulation)", limits="> 0")
@@ -133,7 +137,7 @@ class Config:
                               limits=">= 10", may_change=True, keeps_lr=True)
     find_method: str = setting("auto", "range test: how the suggestion is read off the curve; auto: "
                                "the rule lr_find.DEFAULT_RULES gives --schedule and the optimizer",
-                               choices=FIND_METHODS, may_change=True, keeps_lr=True)
+                               choices=("auto",), registry="find_method", may_change=True, keeps_lr=True)
     # runtime
     device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu", may_change=True,
                           keeps_lr=True)
@@ -361,6 +365,12 @@ def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> s
         else:
             args += [_flag(f.name), str(value)]
     return shlex.join(args)
+
+
+def first_line(err: object, limit: int | None = 160) -> str:
+    """An exception's (or a reason's) first line, to quote in a line of ours; its type's name where it
+    says nothing."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
 
 
 def exit_with_error(message: str, status: int = 2):

@@ -16,11 +16,11 @@ from configs import (
     _FIELDS,
     LENGTH_FREE_SCHEDULES,
     LR_WORDS,
-    REGISTRIES,
     Config,
     UserError,
     _convert,
     command_line,
+    registry,
     validate,
 )
 
@@ -102,7 +102,7 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} is not a sweep lr_find.py wrote ({type(err).__name__}); run `{refind}`, "
                         f"{others}") from None
-    optimizers = REGISTRIES["optimizer"]  # momentum counts only between sweeps of optimizers that read it
+    optimizers = registry("optimizer")  # momentum counts only between sweeps of optimizers that read it
     read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in optimizers
             for s in optimizers[name].settings}
     unread = tuple(s for entry in optimizers.values() for s in entry.settings if s not in read)

@@ -43,7 +43,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 from entries import entries  # noqa: E402
 
-import data  # noqa: E402  (fills configs.REGISTRIES, which parse_config reads)
+import data  # noqa: E402
 import models  # noqa: E402
 
 

@@ -82,7 +82,7 @@ def test_rng_state_survives_a_weights_only_checkpoint(tmp_path):
     import numpy as np
 
     path = tmp_path / "rng.pt"
-    checkpoints.save_checkpoint({"rng": checkpoints.capture_rng_state()}, path)
+    checkpoints.write_checkpoint({"rng": checkpoints.capture_rng_state()}, path)
     first = (torch.rand(3), random.random(), np.random.rand())
     checkpoints.restore_rng_state(checkpoints.load_checkpoint(path)["rng"])
     again = (torch.rand(3), random.random(), np.random.rand())

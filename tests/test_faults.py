@@ -125,7 +125,7 @@ def unfinished(ctx) -> list[str]:
     folder = ctx.tmp / "unfinished"
     folder.mkdir()
     ckpt = changed_checkpoint(ctx, lambda c: c.update(step=1))
-    checkpoints.save_checkpoint(ckpt, folder / "last.pt")
+    checkpoints.write_checkpoint(ckpt, folder / "last.pt")
     ctx.watched = folder
     return ["--out-dir", folder]
 

@@ -52,7 +52,7 @@ def test_a_hand_edited_suggestion_is_refused(suggestion, finished, monkeypatch, 
 def test_a_damaged_checkpoint_is_refused(damage, shown, finished, tmp_path, monkeypatch, capsys):
     ckpt = checkpoints.load_checkpoint(finished / "last.pt")
     damage(ckpt)
-    checkpoints.save_checkpoint(ckpt, tmp_path / "last.pt")
+    checkpoints.write_checkpoint(ckpt, tmp_path / "last.pt")
     kept = fingerprint(tmp_path)
     code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", tmp_path)
     assert shown in one_line(code, out, err)

@@ -137,14 +137,14 @@ def test_sigterm_saves_before_exiting(tmp_path):
 
 def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
-    checkpoints.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    checkpoints.write_checkpoint({"step": 1, "w": torch.ones(3)}, path)
 
     def crash(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(checkpoints.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+        checkpoints.write_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
     assert checkpoints.load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
@@ -172,7 +172,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path, script):
 
 def test_truncated_checkpoint_gives_one_line(tmp_path, script):
     path = tmp_path / "last.pt"
-    checkpoints.save_checkpoint({"w": torch.randn(1000)}, path)
+    checkpoints.write_checkpoint({"w": torch.randn(1000)}, path)
     path.write_bytes(path.read_bytes()[:1500])
     with pytest.raises(UserError, match="truncated or corrupt") as err:
         checkpoints.load_checkpoint(path)

@@ -182,7 +182,7 @@ def test_a_signal_in_the_last_evaluation_stops_after_its_save(tmp_path, monkeypa
 def test_a_second_signal_waits_for_the_save_it_arrives_in(tmp_path, monkeypatch, capsys):
     """Ctrl-C at step 3, and again while the interrupt's save writes: the save ends whole, then the run
     stops; a third Ctrl-C after a save stops it at once, in one line."""
-    real_step, real_save, steps = train.optimizer_step, checkpoints.save_checkpoint, [0]
+    real_step, real_save, steps = train.optimizer_step, checkpoints.write_checkpoint, [0]
 
     def step(*args, **kwargs):
         steps[0] += 1
@@ -195,11 +195,11 @@ def test_a_second_signal_waits_for_the_save_it_arrives_in(tmp_path, monkeypatch,
         real_save(state, path)
 
     monkeypatch.setattr(train, "optimizer_step", step)
-    monkeypatch.setattr(checkpoints, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoints, "write_checkpoint", save)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "2", "--out-dir", tmp_path)
     assert code == 128 + signal.SIGINT and "interrupted at step 3; saved" in out, (code, out, err)
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 3
-    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
+    monkeypatch.setattr(checkpoints, "write_checkpoint", real_save)
 
     def twice(*args, **kwargs):  # a first signal, then a second one before the step ends
         steps[0] += 1
