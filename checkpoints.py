@@ -294,11 +294,11 @@ def load_predictor(path: Path, task) -> dict:
     ckpt = load_checkpoint(path)
     inputs = ckpt.get("inputs")
     if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("data"), dict)
-            and isinstance(inputs, dict) and "images" in inputs):
+            and isinstance(inputs, dict) and "reading" in inputs):
         raise UserError(f"checkpoint {path} records no image preprocessing: it predates --predict or is not "
                         "train.py's; train it again with this version to predict with it")
     check_task(ckpt, path, task, "predict with the task.py it was trained with")
-    if inputs["images"] is None:
+    if inputs["reading"] is None:
         dataset = ckpt["config"].get("dataset")
         raise UserError(f"--predict reads image files (and --tta flip mirrors them), and {path} was trained "
                         f"on inputs that are not images (--dataset {dataset}); run its model on your tensors "

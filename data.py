@@ -10,6 +10,8 @@ import functools
 import math
 import os
 import shutil
+import traceback
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -170,12 +172,12 @@ class DataInfo:
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
-    preprocess: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
+    reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
 
     def inputs_record(self) -> dict:
         """What a checkpoint records of the inputs: --predict and models.load_trained read it."""
         dtype = str(self.input_dtype).removeprefix("torch.")
-        return {"shape": list(self.input_shape), "dtype": dtype, "images": self.preprocess}
+        return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading}
 
 
 @dataclass
@@ -191,23 +193,24 @@ class ImageSteps:
     dense: bool = False  # targets per pixel: cropped and flipped with their images
 
 
-def epoch_plan(n: int, seed: int, epoch: int, *, shuffle: bool, pad: int = 0, flip: bool = False,
-               rank: int = 0, world_size: int = 1, class_ids: torch.Tensor | None = None
+def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
+               shard: tuple[int, int] = (0, 1), class_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's example order, crop offsets and flip flags for an epoch, drawn for the whole dataset from
-    one (seed, epoch) generator, then sharded: the same on any device, wherever a resumed run starts.
-    `class_ids` (--balance-classes): n draws with replacement, each class equally likely."""
+    """This rank's training order, crop offsets and flip flags for an epoch, drawn for the whole dataset
+    from one (seed, epoch) generator, then sharded (`shard`: this rank, of how many) in equal shards, as
+    DistributedSampler's: the same on any device, wherever a resumed run starts. `class_ids`
+    (--balance-classes): n draws with replacement, each class equally likely."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if class_ids is not None:
         per_class = torch.bincount(class_ids).double()
         order = torch.multinomial(1 / per_class[class_ids], n, replacement=True, generator=g)
     else:
-        order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
-    usable = n // world_size * world_size if shuffle else n  # training: equal shards, as DistributedSampler's
+        order = torch.randperm(n, generator=g)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
     flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
-    shard = slice(rank, usable, world_size)
-    return order[shard], offsets[shard], flips[shard]
+    rank, world_size = shard
+    mine = slice(rank, n // world_size * world_size, world_size)
+    return order[mine], offsets[mine], flips[mine]
 
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
@@ -228,37 +231,51 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
     return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
 
 
+@dataclass(frozen=True)
+class Serving:
+    """How a split's batches are served: the same for the training and the validation split."""
+
+    batch_size: int  # this process's share of the global batch
+    device: torch.device
+    seed: int = 0  # of the training order and augmentation (epoch_plan), and of the workers
+    rank: int = 0  # under torchrun, this process's shard of each epoch
+    world_size: int = 1
+    num_workers: int = 0  # DataLoader workers, where the data is not on the device
+
+
 class Batches:
     """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
     batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
     `targets`: how the task takes them (contract.check_splits); `class_ids`: draw classes equally often."""
 
-    def __init__(self, source, labels: torch.Tensor | None, *, batch_size: int, train: bool, seed: int,
-                 device: torch.device, image: ImageSteps | None = None, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, targets: Targets | None = None,
+    def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
+                 image: ImageSteps | None = None, targets: Targets | None = None,
                  class_ids: torch.Tensor | None = None):
-        self.source, self.labels, self.image = source, labels, image
+        self.source, self.labels, self.serving, self.train, self.image = source, labels, serving, train, image
+        self.targets, self.class_ids, self.device = targets, class_ids, serving.device
         self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
-        self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
-        self.rank, self.world_size, self.num_workers, self._loader = rank, world_size, num_workers, None
-        self.targets, self.class_ids = targets, class_ids
+        self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
         if image is not None:
-            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(device)
-            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(device)
+            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(self.device)
+            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(self.device)
 
     @property
-    def pixels(self):  # what pictures show of a batch: images in [0, 1]. Not kept on self: that cycle left
-        return self.denormalize if self.image else None  # DataLoader workers to the collector, 5 s each
+    def to_pixels(self):  # a function: a batch as the model gets it back to images in [0, 1], to look at.
+        return self.denormalize if self.image else None  # Not kept on self: that cycle kept workers alive
 
     def __len__(self) -> int:
-        n, bs, ranks = self.num_examples, self.batch_size, self.world_size
-        return n // ranks // bs if self.train else math.ceil(len(range(self.rank, n, ranks)) / bs)
+        n, bs, ranks = self.num_examples, self.serving.batch_size, self.serving.world_size
+        return n // ranks // bs if self.train else math.ceil(len(range(self.serving.rank, n, ranks)) / bs)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.epoch(0)
 
-    def close(self) -> None:  # the DataLoader's workers stop now (a run's end, a failed one's too), not at gc
-        getattr(getattr(self._loader, "_iterator", None), "_shutdown_workers", lambda: None)()
+    def close(self) -> None:
+        """The DataLoader's workers stop now (a run's end, a failed one's too), not when the collector
+        finds them: the epochs still open end, and the loader goes with its last reference."""
+        for stream in list(self._open):
+            stream.close()
+        self._loader = None
 
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
@@ -269,21 +286,33 @@ class Batches:
         return self._prepared(*torch.utils.data.default_collate(items), None, 0)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        pad, flip = (self.image.pad, bool(self.image.flip)) if self.image and self.train else (0, False)
-        order, offsets, flips = epoch_plan(self.num_examples, self.seed, epoch, shuffle=self.train, pad=pad,
-                                           flip=flip, rank=self.rank, world_size=self.world_size,
-                                           class_ids=self.class_ids if self.train else None)
-        count, bs = len(self), self.batch_size
-        order, offsets, flips = (t[: count * bs] for t in (order, offsets, flips))
-        offsets, flips = offsets.to(self.device), flips.to(self.device)
+        stream = self._epoch(epoch, start)
+        self._open.add(stream)
+        return stream
+
+    def _epoch(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        s, bs = self.serving, self.serving.batch_size
+        pad, flip = (self.image.pad, self.image.flip) if self.image and self.train else (0, False)
+        if self.train:  # shuffled (or drawn by class), cropped and flipped as its (seed, epoch) plan says
+            order, offsets, flips = epoch_plan(self.num_examples, s.seed, epoch, pad=pad, flip=flip,
+                                               shard=(s.rank, s.world_size), class_ids=self.class_ids)
+            order, offsets, flips = order[: len(self) * bs], offsets.to(self.device), flips.to(self.device)
+        else:  # in order, each rank its shard
+            order = torch.arange(s.rank, self.num_examples, s.world_size)
         if self.on_device:
             raw = ((self.source[idx], self.labels[idx]) for idx in order.to(self.device).split(bs)[start:])
         else:
             raw = self._from_workers(order[start * bs:].tolist())
-        for i, (inputs, targets) in enumerate(raw, start):
-            window = slice(i * bs, i * bs + len(inputs))
-            crops = (offsets[window], flips[window]) if pad or flip else None
-            yield self._prepared(inputs, targets, crops, pad)
+        try:
+            for i, (inputs, targets) in enumerate(raw, start):
+                window = slice(i * bs, i * bs + len(inputs))
+                crops = (offsets[window], flips[window]) if pad or flip else None
+                yield self._prepared(inputs, targets, crops, pad)
+        except Exception as err:  # the loader's frames in its traceback would keep its workers alive
+            traceback.clear_frames(err.__traceback__)
+            raise
+        finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
+            del raw
 
     def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops, pad: int):
         """A batch on the device as the model and the task take it: images cropped and flipped by `crops`
@@ -305,11 +334,11 @@ class Batches:
         workers leave a signal to this process (distributed.worker_init), which stops them in order: a
         SIGTERM to the process group killed them mid-batch, in 60-80 lines."""
         if self._loader is None:
-            self._order = []  # the sampler: a list, given each pass's order in place
+            s, self._order = self.serving, []  # the sampler: a list, given each pass's order in place
             self._loader = torch.utils.data.DataLoader(
-                self.source, batch_size=self.batch_size, sampler=self._order, num_workers=self.num_workers,
-                pin_memory=self.device.type == "cuda", persistent_workers=self.num_workers > 0,
-                worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(self.seed))
+                self.source, batch_size=s.batch_size, sampler=self._order, num_workers=s.num_workers,
+                pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
+                worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
         return iter(self._loader)
 
@@ -368,11 +397,10 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     pairs = splits.values()
     sources = ([[t.to(device) for t in split] for split in pairs] if mode == "device" else
                [(split if files else torch.utils.data.TensorDataset(*split), None) for split in pairs])
-    common = dict(seed=cfg.seed, device=device, image=image, rank=rank, world_size=world_size,
-                  num_workers=cfg.num_workers, batch_size=cfg.batch_size // world_size, targets=spec)
+    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
     balanced = spec.class_ids if cfg.balance_classes else None
-    train_batches = Batches(*sources[0], train=True, class_ids=balanced, **common)
-    val_batches = Batches(*sources[1], train=False, **common)
+    train_batches = Batches(*sources[0], serving, train=True, image=image, targets=spec, class_ids=balanced)
+    val_batches = Batches(*sources[1], serving, train=False, image=image, targets=spec)
     if mode == "dataloader":
         check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(train_batches) == 0:
@@ -380,12 +408,14 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
                         f"set ({train_batches.num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
-    prep = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
-                      "std": image.std.tolist()}
-    dtype = torch.float32 if images or sample.is_floating_point() else sample.dtype
-    counts = None if spec.class_counts is None else spec.class_counts.to(device)
-    info = DataInfo((shape[0], resize, resize) if resize else shape, dtype, list(source.names), counts,
-                    train_batches.num_examples, val_batches.num_examples, loader, images, notes, prep)
+    reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
+                         "std": image.std.tolist()}
+    info = DataInfo(input_shape=(shape[0], resize, resize) if resize else shape,
+                    input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
+                    names=list(source.names), train_size=train_batches.num_examples,
+                    class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
+                    val_size=val_batches.num_examples, loader=loader, images=images, notes=notes,
+                    reading=reading)
     return train_batches, val_batches, info
 
 
@@ -436,9 +466,9 @@ def refuse_empty_splits(dataset: str, source: Source) -> None:
                             "dataset entry in data.py, or the files in --data-dir)")
 
 
-def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device) -> tuple:
+def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.device) -> tuple:
     """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
-    as its run read its own (`prep`: its DataInfo.preprocess, which its checkpoint keeps); files; skipped."""
+    as its run read its own (`reading`: its DataInfo.reading, which its checkpoint keeps); files; skipped."""
     if not path.exists():
         raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
     listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
@@ -450,12 +480,12 @@ def prediction_batches(cfg: Config, path: Path, prep: dict, device: torch.device
         raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
     skipped = "; ".join([f"{len(found) - len(files)} skipped (not image files)"] * (len(found) > len(files))
                         + [note.removeprefix("csv: ") for note in notes])
-    reading = replace(cfg, dataset="--predict", image_size=prep["size"], channels=prep["channels"])
-    steps = ImageSteps(torch.tensor(prep["mean"]), torch.tensor(prep["std"]), channels_last=cfg.channels_last,
-                       resize=prep["resize"])
-    source = _image_files(reading, [(f, 0) for f in files], [], [], flip=False).train
-    return (Batches(source, None, batch_size=cfg.batch_size, train=False, seed=cfg.seed, device=device,
-                    image=steps, num_workers=cfg.num_workers), files, skipped)
+    as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
+    steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
+                       channels_last=cfg.channels_last, resize=reading["resize"])
+    source = _image_files(as_run, [(f, 0) for f in files], [], [], flip=False).train
+    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
+    return Batches(source, None, serving, train=False, image=steps), files, skipped
 
 
 # ---------------------------------------------------------------- files and statistics

@@ -157,12 +157,12 @@ def announce(cfg: Config, task, info, moved: Path | None, say) -> None:
         say(note)
 
 
-def log_evaluation(val, task, names: list[str], pixels, step: int, tensorboard: TensorBoard) -> None:
+def log_evaluation(val, task, names: list[str], to_pixels, step: int, tensorboard: TensorBoard) -> None:
     """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
     for name in task.METRICS:
         tensorboard.point(f"val/{name}", step, val.metrics[name])
     tensorboard.write()
-    pictures = task.pictures(val, names, pixels)
+    pictures = task.pictures(val, names, to_pixels)
     tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
 
 

@@ -158,7 +158,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                         if progress.start_loss is None:  # a fresh run's first batch: the divergence
                             progress.start_loss = (losses[0] / normalizers[0]).item()  # yardstick, read once
                             tensorboard.images({"inputs": task.input_picture(inputs, targets, info.names,
-                                                                             train_batches.pixels)}, 0)
+                                                                             train_batches.to_pixels)}, 0)
                     counts += normalizers
 
                     # The optimizer step, and the scheduler's with it (both skipped where GradScaler
@@ -200,7 +200,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 examples = cfg.batch_size * (steps_in_epoch - first_batch)  # all processes'
                 epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
                 val = evaluate(runner, val_batches, task, cfg, info, device, amp_dtype)
-                logs.log_evaluation(val, task, info.names, val_batches.pixels, progress.step, tensorboard)
+                logs.log_evaluation(val, task, info.names, val_batches.to_pixels, progress.step, tensorboard)
                 unit = "img" if info.images else "examples"
                 rate = f"  ({epoch_rates[-1]:,.0f} {unit}/s)" if examples else ""
                 line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
@@ -421,7 +421,7 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
     ckpt = checkpoints.load_predictor(path, task)
     cfg = resolve.evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
     device, names = distributed.pick_device(cfg.device), ckpt["data"]["names"]
-    reading = ckpt["inputs"]["images"]  # how the run read its images
+    reading = ckpt["inputs"]["reading"]  # how the run read its images
     batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), reading, device)
     model = build_model(cfg, reading["channels"], len(names), device).eval()
     load_weights(model, ckpt, len(names), f"--checkpoint {path}", new_head=False)

@@ -43,7 +43,7 @@ import distributed
 import models
 import task
 from configs import Config, UserError, exit_with_error, parse_config
-from data import Batches, ImageSteps, build_loaders
+from data import Batches, ImageSteps, Serving, build_loaders
 from models import build_model, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -377,8 +377,8 @@ def measure_loader(device: torch.device, count: int, batch_size: int, repeats: i
     images = torch.randint(0, 256, (count, 3, 32, 32), generator=g, dtype=torch.uint8)
     labels = torch.randint(0, 10, (count,), generator=g)
     mean, std = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
-    resident = Batches(images.to(device), labels.to(device), batch_size=batch_size, train=True, seed=0,
-                       device=device, image=ImageSteps(mean, std, pad=4, flip=True))
+    resident = Batches(images.to(device), labels.to(device), Serving(batch_size, device), train=True,
+                       image=ImageSteps(mean, std, pad=4, flip=True))
     transform = transforms.Compose([
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
         transforms.ConvertImageDtype(torch.float32), transforms.Normalize(mean.tolist(), std.tolist())])

@@ -300,7 +300,7 @@ def test_a_checkpoint_records_its_inputs_and_the_run_counts_examples(monkeypatch
     summary = train.train(parse_config([*flags, "--model", "bag", *TINY, "--out-dir", str(tmp_path)]))
     assert "examples/s)" in capsys.readouterr().out and summary["examples_per_second"] > 0
     assert torch.load(tmp_path / "best.pt", weights_only=True)["inputs"] == {
-        "shape": [32], "dtype": "int64", "images": None}
+        "shape": [32], "dtype": "int64", "reading": None}
 
 
 class Bag(nn.Module):

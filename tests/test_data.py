@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import parse_config
-from data import Batches, ImageSteps, augment, build_loaders, epoch_plan
+from data import Batches, ImageSteps, Serving, augment, build_loaders, epoch_plan
 
 CPU = torch.device("cpu")
 
@@ -13,10 +13,11 @@ CPU = torch.device("cpu")
 def make_batches(source, labels, **overrides):
     """Batches of uint8 images with these overrides, of Batches' options or of its ImageSteps'."""
     image = {"mean": torch.tensor([0.5]), "std": torch.tensor([0.25]), "pad": 2, "flip": True}
-    options = {"batch_size": 8, "train": True, "seed": 3, "device": CPU}
+    options = {"batch_size": 8, "seed": 3, "device": CPU}
+    train = overrides.pop("train", True)
     for key, value in overrides.items():
         (image if key in image else options)[key] = value
-    return Batches(source, labels, image=ImageSteps(**image), **options)
+    return Batches(source, labels, Serving(**options), train=train, image=ImageSteps(**image))
 
 
 def indexed_images(n: int = 44, size: int = 6):
@@ -101,9 +102,9 @@ def test_order_is_reproducible_from_seed_and_epoch_and_resumable_mid_epoch():
 
 def test_epoch_plan_ignores_global_rng():
     torch.manual_seed(0)
-    first = epoch_plan(30, 1, 2, shuffle=True, pad=2, flip=True)
+    first = epoch_plan(30, 1, 2, pad=2, flip=True)
     torch.manual_seed(99)
-    second = epoch_plan(30, 1, 2, shuffle=True, pad=2, flip=True)
+    second = epoch_plan(30, 1, 2, pad=2, flip=True)
     assert all(torch.equal(p, q) for p, q in zip(first, second, strict=True))
 
 

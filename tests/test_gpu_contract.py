@@ -211,10 +211,9 @@ class WorkerPids(torch.utils.data.Dataset):
 
 
 def test_dataloader_workers_survive_epochs_and_evaluations():
-    common = dict(batch_size=4, image=data.ImageSteps(torch.zeros(1), torch.ones(1)), seed=0, device=CPU,
-                  num_workers=2)
-    for split in (data.Batches(WorkerPids(), None, train=True, **common),
-                  data.Batches(WorkerPids(), None, train=False, **common)):
+    serving, image = data.Serving(4, CPU, num_workers=2), data.ImageSteps(torch.zeros(1), torch.ones(1))
+    for split in (data.Batches(WorkerPids(), None, serving, train=True, image=image),
+                  data.Batches(WorkerPids(), None, serving, train=False, image=image)):
         pids = [set(torch.cat([y for _, y in split.epoch(e)]).tolist()) for e in range(3)]
         assert len(pids[0]) == 2 and os.getpid() not in pids[0]
         assert pids[0] == pids[1] == pids[2], "workers were restarted between passes"

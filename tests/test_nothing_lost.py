@@ -263,7 +263,7 @@ def test_too_little_shared_memory_for_the_workers_is_found_at_start_up(free, sai
 def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoint(images, tmp_path,
                                                                                     monkeypatch, capsys):
     """As torch reports it in the loop: a worker's RuntimeError, its traceback as text (54 lines in all)."""
-    order, _, _ = data.epoch_plan(16, 0, 0, shuffle=True)
+    order, _, _ = data.epoch_plan(16, 0, 0)
     bad, real = int(order[9]), data._Files.__getitem__  # in the third batch of four: after two steps
 
     def getitem(self, i):  # in the worker process

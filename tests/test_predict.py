@@ -137,7 +137,7 @@ def test_each_model_gets_its_own_channels(folder_run, tmp_path):
     """An RGB file for a grayscale model is read as grayscale (PIL's "L"), and a grayscale file for an RGB
     model as RGB, each normalized with the mean and std the run trained with."""
     run, _, channels = folder_run
-    inputs = torch.load(run / "best.pt", weights_only=True)["inputs"]["images"]
+    inputs = torch.load(run / "best.pt", weights_only=True)["inputs"]["reading"]
     assert inputs["channels"] == channels and inputs["size"] == 16 and len(inputs["mean"]) == channels
     colour = torch.tensor([[[200, 30, 90]]], dtype=torch.uint8).expand(16, 16, 3).contiguous()
     Image.fromarray(colour.numpy()).save(tmp_path / "rgb.png")
@@ -175,7 +175,7 @@ def test_a_pretrained_model_predicts_with_its_own_transforms(torch_home, tmp_pat
     assert code == 0, err
     ckpt = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     own = torchvision.models.SqueezeNet1_1_Weights.DEFAULT.transforms()
-    reading = ckpt["inputs"]["images"]
+    reading = ckpt["inputs"]["reading"]
     assert reading["size"] == own.crop_size[0] == 224 and reading["resize"] == 0
     assert reading["mean"] == pytest.approx(own.mean)
     assert reading["std"] == pytest.approx(own.std)

@@ -124,27 +124,27 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
 
 
 # ---------------------------------------------------------------- pictures
-# `pixels` turns a batch as the model receives it back into [0, 1] images; it is None where the
+# `to_pixels` turns a batch as the model receives it back into [0, 1] images; it is None where the
 # inputs are not images, and the pictures that show inputs are skipped.
 
-def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], pixels):
+def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], to_pixels):
     """A training batch as the model receives it (after crop, flip, resize), each with its label."""
-    if pixels is None:
+    if to_pixels is None:
         return None
     captions = [names[t] for t in targets[:INPUTS_SHOWN].tolist()]
-    return image_grid(pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
+    return image_grid(to_pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
 
 
-def pictures(val: Evaluation, names: list[str], pixels) -> dict:
+def pictures(val: Evaluation, names: list[str], to_pixels) -> dict:
     """After each evaluation: the confusion matrix and the most confidently wrong images."""
     shown = {"confusion": confusion_picture(val.details["confusion"], names)}
-    if pixels is not None and val.worst is not None:
+    if to_pixels is not None and val.worst is not None:
         confidence, inputs, targets, predicted = val.worst
         wrong = [i for i, c in enumerate(confidence.tolist()) if c >= 0]  # -1 marks right answers
         if wrong:
             captions = [f"{names[t]} as {names[p]} {c:.0%}" for c, t, p in zip(
                 confidence[wrong].tolist(), targets[wrong].tolist(), predicted[wrong].tolist(), strict=True)]
-            shown["most_confidently_wrong"] = image_grid(pixels(inputs).cpu()[wrong], captions)
+            shown["most_confidently_wrong"] = image_grid(to_pixels(inputs).cpu()[wrong], captions)
     return shown
 
 

@@ -79,15 +79,15 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
                               for row in chances]
 
 
-def input_picture(inputs, targets, names, pixels):
-    if pixels is None:
+def input_picture(inputs, targets, names, to_pixels):
+    if to_pixels is None:
         return None
     captions = [",".join(n for n, on in zip(names, row, strict=True) if on > 0.5)
                 for row in targets[:16].tolist()]
-    return image_grid(pixels(inputs[:16]).cpu(), captions)
+    return image_grid(to_pixels(inputs[:16]).cpu(), captions)
 
 
-def pictures(val: Evaluation, names, pixels) -> dict:
+def pictures(val: Evaluation, names, to_pixels) -> dict:
     return {}
 
 

@@ -75,11 +75,11 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
     return ["class"], [[names[c]] for c in outputs.argmax(1).tolist()]
 
 
-def input_picture(inputs, targets, names, pixels):
+def input_picture(inputs, targets, names, to_pixels):
     return None
 
 
-def pictures(val: Evaluation, names, pixels) -> dict:
+def pictures(val: Evaluation, names, to_pixels) -> dict:
     return {}
 
 
