@@ -104,8 +104,8 @@ def make_fork(folder: Path, task: str | None = None, data: tuple[str, ...] = (),
     forks/MODEL.py model class written above MODELS in models.py and its line added to MODELS. Nothing
     else changes. `tests`: the copy has the template's tests, docs and benchmarks too."""
     project = Path(folder) / "fork"
-    left_out = [".*", "runs", "data", "__pycache__", "mutants"]
-    left_out += [] if tests else ["tests", "docs", "bench"]
+    left_out = [".git", ".venv", ".pytest_cache", ".ruff_cache", "runs", "data", "__pycache__", "mutants"]
+    left_out += [] if tests else [".ci", "tests", "docs", "bench"]
     shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*left_out))
     if task:
         shutil.copy(FORKS / f"{task}.py", project / "task.py")

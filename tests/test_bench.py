@@ -7,6 +7,7 @@ import statistics
 from itertools import pairwise
 
 import pytest
+from conftest import default_task_only
 
 RATIOS = ("loop_vs_bare", "loader_speedup", "lr_find_overhead", "host_loop_vs_bare", "host_lr_find_overhead")
 
@@ -16,6 +17,7 @@ def positive(value) -> bool:
     return number and math.isfinite(value) and value > 0
 
 
+@default_task_only  # the benchmarks measure the template's own setup, task.py's task on its data
 def test_quick_bench_writes_all_keys(tmp_path, script):
     out = tmp_path / "bench.json"
     # one thread throughout: on a shared CPU two-thread ops stall on a preempted sibling (bench.speed)

@@ -90,7 +90,7 @@ def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
 
 def test_a_signal_fork_adds_a_dataset_and_a_model(tmp_path):
     """[N, 1, 256] float signals with a 1-D CNN: the default task, the image steps left out."""
-    project = make_fork(tmp_path, data=("signals_data",), model=("signals_model",))
+    project = make_fork(tmp_path, "classification", data=("signals_data",), model=("signals_model",))
     argv = ["--dataset", "waves", "--synthetic-size", "512", "--model", "conv1dnet", *SMALL, "--epochs", "4",
             "--channels-last", "--out-dir", "run"]
     assert "suggested lr" in run(project, "lr_find.py", *argv)
