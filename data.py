@@ -128,7 +128,7 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
     train = _unique_rows(root, "train.csv", notes)
-    val = (root / "val.csv").is_file() and _unique_rows(root, "val.csv", notes)
+    val = _unique_rows(root, "val.csv", notes) if (root / "val.csv").is_file() else []
     if len(labels := sorted({label for _, label in train})) < 2:
         raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({labels[0]!r}); a classifier needs "
                         "two or more: give each row its class after the file (file,label)")
@@ -478,8 +478,8 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     if not files:
         what = "is not an image file" if path.is_file() else "holds no image files"
         raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
-    skipped = "; ".join([f"{len(found) - len(files)} skipped (not image files)"] * (len(found) > len(files))
-                        + [note.removeprefix("csv: ") for note in notes])
+    said = [f"{len(found) - len(files)} skipped (not image files)"] if len(found) > len(files) else []
+    skipped = "; ".join(said + [note.removeprefix("csv: ") for note in notes])
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
@@ -628,8 +628,9 @@ def _csv_rows(root: Path, name: str, labels: bool = True,
     if labels and (empty := [i for i, row in enumerate(records, 1)  # numbered as a spreadsheet shows them
                              if i > start and row and (len(row) < 2 or not row[1].strip())]):
         shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
-        raise UserError(f"csv: {_shown(root / name)} has rows without a label: row{'s' * (len(empty) > 1)} "
-                        f"{shown} (the header is row 1); give each its class after the file (file,label)")
+        raise UserError(f"csv: {_shown(root / name)} has rows without a label: "
+                        f"{'rows' if len(empty) > 1 else 'row'} {shown} (the header is row 1); give each its "
+                        "class after the file (file,label)")
     rows = [(root / row[0].strip(), row[1].strip() if labels else None) for row in records[start:] if row]
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
         what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"

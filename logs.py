@@ -236,7 +236,7 @@ def write_predictions(path: Path, header: list[str], rows: list[list], files: li
     for row in table[:shown + 1]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
     more = f" (the first {shown} above)" if len(rows) > shown else ""
-    count = f"{len(rows)} file{'s' * (len(rows) != 1)}"
+    count = f"{len(rows)} {'file' if len(rows) == 1 else 'files'}"
     print(f"{count} predicted -> {path}{more}" + (f"; {skipped}" if skipped else ""))
     return path
 

@@ -41,8 +41,8 @@ class Residual(nn.Module):
 
 
 def head_dropout(p: float) -> list[nn.Module]:
-    """Dropout before the classifier, only when asked for: without it the state_dict keys stay as
-    they were, so checkpoints from before the option still load."""
+    """Dropout before the classifier, only when asked for: the layers' names (a checkpoint's keys) stay
+    those of the model without it."""
     return [nn.Dropout(p)] if p > 0 else []
 
 
@@ -50,13 +50,12 @@ class ResNetSmall(nn.Sequential):
     """Three stages (width, 2x, 4x), halving resolution between them; fine from 8 px up."""
 
     def __init__(self, channels: int, num_outputs: int, width: int = 32, dropout: float = 0.0):
-        super().__init__(
-            conv_bn(channels, width), Residual(width),
-            conv_bn(width, 2 * width, stride=2), Residual(2 * width),
-            conv_bn(2 * width, 4 * width, stride=2), Residual(4 * width),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), *head_dropout(dropout),
-            nn.Linear(4 * width, num_outputs),
-        )
+        stages = [conv_bn(channels, width), Residual(width),
+                  conv_bn(width, 2 * width, stride=2), Residual(2 * width),
+                  conv_bn(2 * width, 4 * width, stride=2), Residual(4 * width)]
+        head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), *head_dropout(dropout),
+                nn.Linear(4 * width, num_outputs)]
+        super().__init__(*stages, *head)
 
 
 class ResNet9(nn.Sequential):
@@ -66,14 +65,11 @@ class ResNet9(nn.Sequential):
         def stage(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(conv_bn(cin, cout), nn.MaxPool2d(2))
 
-        super().__init__(
-            conv_bn(channels, width),
-            stage(width, 2 * width), Residual(2 * width),
-            stage(2 * width, 4 * width),
-            stage(4 * width, 8 * width), Residual(8 * width),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), *head_dropout(dropout),
-            nn.Linear(8 * width, num_outputs, bias=False),
-        )
+        stages = [conv_bn(channels, width), stage(width, 2 * width), Residual(2 * width),
+                  stage(2 * width, 4 * width), stage(4 * width, 8 * width), Residual(8 * width)]
+        head = [nn.AdaptiveMaxPool2d(1), nn.Flatten(), *head_dropout(dropout),
+                nn.Linear(8 * width, num_outputs, bias=False)]
+        super().__init__(*stages, *head)
 
 
 # Our own models by name; `--model NAME` builds MODELS[NAME](channels, num_outputs, width, dropout),
@@ -366,15 +362,15 @@ def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True
 
 def check_graphs(cfg: Config, device: torch.device, amp_dtype: torch.dtype | None, world_size: int) -> None:
     """--cuda-graphs where it cannot run is one line, said before any work (a sweep for --lr find)."""
-    if not cfg.cuda_graphs:
-        return
-    why = ("--compile captures graphs of its own (mode='reduce-overhead'); pass one of the two" if cfg.compile
-           else "fp16's GradScaler is not supported with graphs yet; use --amp bf16 or --amp off"
-           if amp_dtype == torch.float16 else "DDP's gradient all-reduce is not captured; train on one GPU"
-           if world_size > 1 else f"they need a CUDA device, and this run is on {device.type}"
-           if device.type != "cuda" else None)
-    if why:
-        raise UserError(f"--cuda-graphs: {why}")
+    for applies, why in (  # the first that applies is said
+            (cfg.compile, "--compile captures graphs of its own (mode='reduce-overhead'); pass one of "
+                          "the two"),
+            (amp_dtype == torch.float16, "fp16's GradScaler is not supported with graphs yet; use --amp "
+                                         "bf16 or --amp off"),
+            (world_size > 1, "DDP's gradient all-reduce is not captured; train on one GPU"),
+            (device.type != "cuda", f"they need a CUDA device, and this run is on {device.type}")):
+        if cfg.cuda_graphs and applies:
+            raise UserError(f"--cuda-graphs: {why}")
 
 
 def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None,

@@ -64,15 +64,15 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's. The
     # data is checked against the task as it loads, and two examples go through the model (contract.py).
     train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
-    steps_in_epoch = len(train_batches)  # micro-batches, strictly: a step takes accum_steps of them
-    data = {"train_size": info.train_size, "batches": steps_in_epoch, "names": info.names}  # resume checks it
+    batches_per_epoch = len(train_batches)  # an optimizer step takes accum_steps of them
+    data = {"train_size": info.train_size, "batches": batches_per_epoch, "names": info.names}  # resume checks
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     info.notes.append(check_model(model, train_batches, task, cfg, info))
     amp_dtype, scaler = amp_setup(device, cfg.amp)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
         lr = find_lr(cfg, task, model, train_batches, info, amp_dtype, scaler)
     optimizer = build_optimizer(model, cfg, lr)
-    scheduler, total_steps = make_scheduler(cfg, optimizer, steps_in_epoch)
+    scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
@@ -82,7 +82,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         checkpoints.check_same_data(ckpt, path, data)
         checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
         progress = saved = Progress(**{**ckpt["run"], "part": ckpt["run"]["part"] + 1})
-        where = checkpoints.position(progress.epoch, progress.batch, cfg.epochs, steps_in_epoch)
+        where = checkpoints.position(progress.epoch, progress.batch, cfg.epochs, batches_per_epoch)
         say(f"resumed from {path} at step {progress.step} ({where})")
 
     # The model three ways: `model`, the plain module, is what is saved; `runner` runs it, in evaluation too
@@ -134,16 +134,16 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         try:
             for epoch in range(progress.epoch, cfg.epochs):
                 progress.epoch = epoch  # (evaluate() puts the model back in train mode)
-                bar = tqdm(total=steps_in_epoch, initial=progress.batch, leave=False, disable=not bar_shown,
-                           desc=f"epoch {epoch + 1}/{cfg.epochs}")
+                bar = tqdm(total=batches_per_epoch, initial=progress.batch, leave=False,
+                           disable=not bar_shown, desc=f"epoch {epoch + 1}/{cfg.epochs}")
                 epoch_start, first_batch = time.perf_counter(), progress.batch
                 stream = train_batches.epoch(epoch, progress.batch)
-                while progress.batch < steps_in_epoch:
+                while progress.batch < batches_per_epoch:
                     # Accumulation: accum_steps micro-batches a step (the epoch's last step may get fewer),
                     # drawn first: each summed loss is weighted by the step's normalizer over all of them
                     # and every process, so that a step is one batch k x N times as large, for weighted
                     # and masked means too. Only the last backward all-reduces.
-                    size = min(cfg.accum_steps, steps_in_epoch - progress.batch)
+                    size = min(cfg.accum_steps, batches_per_epoch - progress.batch)
                     window = [next(stream) for _ in range(size)]
                     normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
                     weight = step_weight(normalizers, world_size, device, seeds)
@@ -170,7 +170,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
                     # Log points (every log_every steps, and the epoch's last) are the only place the
                     # loop reads the device: the loss since the last one, and the divergence check on it.
-                    log_point = progress.step % cfg.log_every == 0 or progress.batch == steps_in_epoch
+                    log_point = progress.step % cfg.log_every == 0 or progress.batch == batches_per_epoch
                     if log_point:
                         train_loss = (torch.stack(losses).sum() / sum(counts)).item()
                         losses, counts = [], []
@@ -197,7 +197,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 distributed.sync_buffers(model)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
-                examples = cfg.batch_size * (steps_in_epoch - first_batch)  # all processes'
+                examples = cfg.batch_size * (batches_per_epoch - first_batch)  # all processes'
                 epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
                 val = evaluate(runner, val_batches, task, cfg, info, device, amp_dtype)
                 logs.log_evaluation(val, task, info.names, val_batches.to_pixels, progress.step, tensorboard)
@@ -256,8 +256,9 @@ def resuming(out_dir: Path, world_size: int) -> str:
     return f"continue with `{continue_command(out_dir, world_size)}`"
 
 
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches: int):
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
     """The schedule in optimizer steps, from a config written in epochs."""
+    batches = batches_per_epoch
     total = steps_per_epoch(batches, cfg.accum_steps) * cfg.epochs
     options = {}
     if cfg.schedule == "onecycle":
