@@ -274,10 +274,11 @@ def _toml_typed(path: str, key: str, name: str, raw):
     line: str() or float() of a list, a table or a quoted number would run with a value it never said."""
     kind = float if name == "lr" else type(_FIELDS[name].default)
     number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
-    if isinstance(raw, bool) if kind is bool else isinstance(raw, str) if kind is str else (
-            number or (name == "lr" and isinstance(raw, str))):
+    typed = {bool: isinstance(raw, bool), str: isinstance(raw, str)}.get(kind, number)
+    if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto" or "find"
         return raw
-    expects = "true or false" if kind is bool else ARTICLES[kind] + " or 'auto' or 'find'" * (name == "lr")
+    words = " or 'auto' or 'find'" if name == "lr" else ""
+    expects = "true or false" if kind is bool else ARTICLES[kind] + words
     what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
     got = what or ("a number" if number else f"a {type(raw).__name__}")
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
