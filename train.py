@@ -81,7 +81,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     if ckpt:
         checkpoints.check_same_data(ckpt, path, data)
         checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
-        progress = saved = Progress(**{**ckpt["run"], "part": ckpt["run"]["part"] + 1})
+        progress = Progress(**{**ckpt["run"], "part": ckpt["run"]["part"] + 1})
+        saved = replace(progress)
         where = checkpoints.position(progress.epoch, progress.batch, cfg.epochs, batches_per_epoch)
         say(f"resumed from {path} at step {progress.step} ({where})")
 
