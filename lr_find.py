@@ -645,11 +645,12 @@ def _put_back(kept: Any) -> Any:
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool) -> None:
-    """(to, from) pairs in one batched copy, asynchronous where CUDA takes part (host side pinned), then
-    with ``wait`` one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
+    """(to, from) pairs, each copied asynchronously where CUDA takes part (the host side is pinned); then,
+    with ``wait``, one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
     cuda = {t.device for pair in pairs for t in pair if t.is_cuda}
     with torch.no_grad():
-        torch._foreach_copy_(*map(list, zip(*pairs, strict=True)), non_blocking=bool(cuda))
+        for to, source in pairs:
+            to.copy_(source, non_blocking=bool(cuda))
     for device in cuda if wait else ():
         torch.cuda.synchronize(device)
 
@@ -659,7 +660,7 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Record all a sweep changes; return what puts it back, and what tells if a trainable weight moved."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     # All of the scaler too: its scale is created on first use, and must go back to "not created yet".
-    copies = []  # (CPU buffer, tensor): each way, one batched copy
+    copies = []  # (CPU buffer, tensor)
     kept = _keep(({(module, name): t for module in model.modules() for name, t in
                    [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
                   optimizer.state, groups, vars(scaler) if scaler is not None else {}), copies)

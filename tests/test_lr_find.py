@@ -807,31 +807,34 @@ def test_a_snapshot_is_kept_on_the_cpu():
 
 
 def test_copies_with_cuda_are_asynchronous_and_a_wait_syncs_each_device_once(monkeypatch):
-    """The CUDA contract, shown on CPU with stand-ins: one batched copy, non-blocking where CUDA takes
-    part; with wait, one synchronisation per CUDA device; without, none."""
+    """The CUDA contract, shown on CPU with stand-ins: each pair copied, non-blocking where CUDA takes
+    part; with wait, then one synchronisation per CUDA device; without, none."""
     calls = []
-    monkeypatch.setattr(torch, "_foreach_copy_",
-                        lambda to, src, non_blocking: calls.append(("copy", len(to), len(src), non_blocking)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(("sync", device)))
 
     def on(device: str):
-        return types.SimpleNamespace(is_cuda=device.startswith("cuda"), device=device)
+        def copy_(source, non_blocking):
+            calls.append(("copy", device, source.device, non_blocking))
+
+        return types.SimpleNamespace(is_cuda=device.startswith("cuda"), device=device, copy_=copy_)
 
     pairs = [(on("cpu"), on("cuda:0")), (on("cpu"), on("cuda:1")), (on("cuda:0"), on("cpu"))]
+    copies = [("copy", "cpu", "cuda:0", True), ("copy", "cpu", "cuda:1", True),
+              ("copy", "cuda:0", "cpu", True)]
     lf._copy(pairs, wait=True)
-    assert calls[0] == ("copy", 3, 3, True) and sorted(calls[1:]) == [("sync", "cuda:0"), ("sync", "cuda:1")]
+    assert calls[:3] == copies and sorted(calls[3:]) == [("sync", "cuda:0"), ("sync", "cuda:1")]
     calls.clear()
     lf._copy(pairs, wait=False)
-    assert calls == [("copy", 3, 3, True)]
+    assert calls == copies
     calls.clear()
     lf._copy([(on("cpu"), on("cpu"))], wait=True)
-    assert calls == [("copy", 1, 1, False)]
+    assert calls == [("copy", "cpu", "cpu", False)]
 
 
 @pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
 def test_the_snapshot_waits_for_its_copies_and_the_restore_does_not(monkeypatch):
-    """Both ways the tensors go in one batched copy each: the snapshot's waited for (the host then holds
-    it), the restore's left to stream order."""
+    """Both ways the tensors are copied: the snapshot's waited for (the host then holds it), the restore's
+    left to stream order."""
     waits, copy_now = [], lf._copy
     monkeypatch.setattr(lf, "_copy", lambda pairs, wait: (waits.append(wait), copy_now(pairs, wait)))
     model, optimizer, loader = probe_setup()
