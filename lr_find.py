@@ -37,7 +37,7 @@ SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
 PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
-_READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
+_READ_LAG = {"cuda": 1}  # steps by which _Sweep.run reads losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
                          "but the data or the model (nan or inf in the inputs or targets, or a layer that "
                          "makes them)")
