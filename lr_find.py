@@ -20,7 +20,7 @@ import os
 import random
 import sys
 import warnings
-from collections import deque, namedtuple
+from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,18 +28,16 @@ from typing import Any
 
 import torch
 
-# What each schedule takes from a sweep: onecycle its peak, the others the rate they start at.
-SCHEDULES = {"onecycle": "peak", "constant": "base", "step": "base", "cosine": "base", "warmup": "base"}
-_SERVED = {family: [s for s, f in SCHEDULES.items() if f == family] for family in ("peak", "base")}
-# The rule per optimizer kind and schedule, as bench/lr_find_rules.py measured (docs/lr_find.md): started
-# at full rate, Adam-like optimizers blow up well below the sweep's bottom; onecycle's best peak is lower too.
+# The rule per optimizer kind and schedule family (family_of), as bench/lr_find_rules.py measured
+# (docs/lr_find.md): started at full rate, Adam-like optimizers blow up well below the sweep's bottom;
+# onecycle's best peak is lower too.
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 # Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
 PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
-_READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
+_READ_LAG = {"cuda": 1}  # steps by which _Sweep.run reads losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
                          "but the data or the model (nan or inf in the inputs or targets, or a layer that "
                          "makes them)")
@@ -71,10 +69,29 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x their lowest running median of five. All it
     touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's generators, samplers
     and workers (an iterator is used up). ``progress(i, lr, loss)`` sees each step. ``.suggestion`` serves
-    ``schedule`` by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer) or by ``method``;
-    none if no step happened or no weight moved."""
-    _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
-                num_iter, smooth, diverge, accum_steps, min_iter_before_stop)
+    ``schedule`` (any name: family_of says which suggestion serves it) by DEFAULT_RULES for
+    ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step happened or no
+    weight moved."""
+    def whole(value: Any, low: int) -> bool:
+        return isinstance(value, int) and value >= low
+
+    for ok, message in [  # a ValueError naming the first bad argument, before anything is touched
+        ((loss_fn is None) != (batch_loss is None), "pass loss_fn(outputs, targets) or batch_loss(model, b)"),
+        (isinstance(schedule, str), f"schedule must be a schedule's name, a str, got {schedule!r}"),
+        (method is None or method in RULES, f"method must be one of {METHODS}, got {method!r}"),
+        (step_mode in ("exp", "linear"), f"step_mode must be 'exp' or 'linear', got {step_mode!r}"),
+        (optimizer_kind in (None, *DEFAULT_RULES), f"optimizer_kind must be None, 'sgd' or 'adaptive', got "
+                                                   f"{optimizer_kind!r}"),
+        (whole(num_iter, 10), f"num_iter must be an int >= 10 to suggest, got {num_iter}"),
+        (0 <= smooth < 1, f"smooth must be in [0, 1), got {smooth}"),
+        (diverge > 1, f"diverge must be > 1, got {diverge}"),
+        (whole(accum_steps, 1), f"accum_steps must be an int >= 1, got {accum_steps}"),
+        (whole(min_iter_before_stop, 0), f"min_iter_before_stop must be an int >= 0: {min_iter_before_stop}"),
+        (any(p.requires_grad for p in model.parameters()), "model has no trainable parameters"),
+        (any(g["params"] for g in optimizer.param_groups), "optimizer has no parameters"),
+    ]:
+        if not ok:
+            raise ValueError(message)
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda" and device.index is None:
@@ -97,29 +114,67 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
         return divisor, losses()
 
-    restore, moved = _snapshot(model, optimizer, scaler)
-    batches, taken, put_back = _cycle(loader), [], []
-    hook = _chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1))  # steps that happened
-    try:
-        put_back.extend(_keep_loader(v) for v in (loader, val_loader) if v is not None)  # one by one
+    def val_loss() -> torch.Tensor:
+        """The mean loss over val_loader, in eval mode."""
+        model.eval()
+        with torch.no_grad():
+            window = list(val_loader)
+            if not window:
+                raise ValueError("val_loader is empty: it yielded no batches")
+            divisor, each = window_losses(window)
+            total = sum(loss.detach().float() for loss in each) / divisor
+        model.train()
+        return total
+
+    def step(rates: list[float]) -> torch.Tensor:
+        """One optimizer step at ``rates`` (one per group): [the loss the curve reads, the training loss]."""
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        total = None  # the training loss: the window's mean, as one big batch would give
+        divisor, each = window_losses([next(batches) for _ in range(accum_steps)])
+        for loss in each:
+            loss = loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return torch.stack([total if val_loader is None else val_loss(), total]).flatten()
+
+    sweep, taken = _Sweep(smooth, diverge, min_iter_before_stop), []
+    with contextlib.ExitStack() as undo:  # on the way out, even on error, undo puts all back: last kept first
+        moved = _snapshot(model, optimizer, scaler, undo)
+        hook = _chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1))  # steps taken
+        undo.callback(hook.remove)
+        loader = _keep_loader(loader, undo)  # loader and val_loader may be one
+        val_loader = None if val_loader is None else _keep_loader(val_loader, undo)
+        # closed now, not when a traceback lets go: DataLoader workers stop here
+        batches = undo.enter_context(contextlib.closing(_cycle(loader)))
+        model.train()
         with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
-            losses, smoothed, train_losses, stop_reason = _sweep(
-                model, optimizer, window_losses, batches, val_loader, plan, device, smooth, diverge,
-                accum_steps, scaler, min_iter_before_stop, progress)
+            stop_reason = sweep.run(step, plan, device, progress)
         stuck = None if taken and moved() else (  # a sweep that never stepped says nothing
             f"the weights never changed in {len(taken)} steps (zero gradients, or steps skipped on the "
             "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
-        if losses and not math.isfinite(losses[0]):  # before any update: no rate is to blame
+        if sweep.losses and not math.isfinite(sweep.losses[0]):  # before any update: no rate is to blame
             stuck = FIRST_LOSS_NOT_FINITE
-    finally:
-        hook.remove()
-        batches.close()  # now, not when a traceback lets go: DataLoader workers stop here
-        restore()
-        for put in reversed(put_back):  # last kept, first put back: loader and val_loader may be one
-            put()
-    plan = plan[: len(losses)]
-    return _result([rates[0] for rates in plan], losses, smoothed, stop_reason, schedule, method, kind,
-                   kind_from, stuck, plan, train_losses if val_loader is not None else None)
+    group_lrs = plan[: len(sweep.losses)]
+    return _result([rates[0] for rates in group_lrs], sweep.losses, schedule, method, kind, stuck,
+                   smoothed=sweep.smoothed, stop_reason=stop_reason, optimizer_kind_from=kind_from,
+                   group_lrs=group_lrs, train_losses=sweep.train_losses if val_loader is not None else None)
+
+
+def family_of(schedule: str) -> str:
+    """Which suggestion serves ``schedule``: "peak" for onecycle, whose rate is the top of its cycle, and
+    "base" for every other schedule, one of your own included, which starts at its rate. (This file names
+    no other schedule, so that it works alone; python lr_find.py lists the template's in lr_find.json.)"""
+    return "peak" if schedule == "onecycle" else "base"
 
 
 @dataclass
@@ -149,16 +204,19 @@ class LRFindResult:
         return suggest_lr(self.lrs, self.losses, method)
 
     def for_schedule(self, schedule: str) -> float | None:
-        """The suggestion for ``schedule``: onecycle's peak, or the others' starting rate."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-        return self.suggestions[SCHEDULES[schedule]][0]
+        """The suggestion for ``schedule``: onecycle's peak, or the rate any other starts at (family_of)."""
+        return self.suggestions[family_of(schedule)][0]
 
     def for_groups(self, schedule: str | None = None) -> list[float] | None:
         """The suggestion per param group, in their ratio at the nearest step: onecycle's max_lr list."""
-        lr = self.for_schedule(schedule or self.schedule)
-        rates = None if lr is None else min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
-        return None if rates is None else [lr * (rate / rates[0]) for rate in rates]
+        return self.per_group(self.for_schedule(schedule or self.schedule))
+
+    def per_group(self, lr: float | None) -> list[float] | None:
+        """``lr`` for the first group, the others in their ratio to it at the sweep's step nearest ``lr``."""
+        if lr is None:
+            return None
+        rates = min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
+        return [lr * (rate / rates[0]) for rate in rates]
 
 
 def suggest_lr(lrs: Sequence[float], losses: Sequence[float | None], method: str = "minimum") -> float | None:
@@ -241,25 +299,29 @@ METHODS = tuple(RULES)
 # --- saving and drawing a sweep ---------------------------------------------------------------
 
 
-def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None) -> list[Any]:
+def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None,
+               schedules: Iterable[str] = ()) -> list[Any]:
     """Write lr_find.png, then lr_find.json (``extra``'s keys join its record), each naming the sweep, and the
     same picture to TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr
-    means much); returns what it wrote, the record first. An OSError names the file."""
+    means much); returns what it wrote, the record first. Each suggestion lists the schedules it serves: of
+    ``schedules``, onecycle and the sweep's own. An OSError names the file."""
     (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
               for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
                                 ("train_losses", result.train_losses))}
+    served = _served(result, schedules)
     record = {"lrs": result.lrs, **finite, **{k: getattr(result, k) for k in (
                   "group_lrs", "stop_reason", "schedule", "suggestion", "method", "why_none",
                   "optimizer_kind", "optimizer_kind_from")}, "config": config,
-              "suggestions": {f: {"lr": lr, "method": rule, "schedules": _SERVED[f],
-                                  "group_lrs": result.for_groups(_SERVED[f][0])}
-                              for f, (lr, rule) in result.suggestions.items()}, **(extra or {})}
+              "suggestions": {f: {"lr": lr, "method": rule, "schedules": served[f], "group_lrs":
+                                  result.per_group(lr)} for f, (lr, rule) in result.suggestions.items()},
+              **(extra or {})}
     # The picture first, then the record: both name the sweep (PNG_SWEEP_KEY), so that a record beside another
     # sweep's picture (a kill -9 between the two writes) can be told, and said (configs/resolve.py).
     record["sweep"], drawn = sweep_id(record["lrs"], record["losses"]), io.BytesIO()
     try:
-        plot_lr_find(result).savefig(drawn, format="png", metadata={PNG_SWEEP_KEY: record["sweep"]})
+        plot = plot_lr_find(result, schedules=schedules)
+        plot.savefig(drawn, format="png", metadata={PNG_SWEEP_KEY: record["sweep"]})
         picture = _write_atomically(out_dir / "lr_find.png", drawn.getvalue())
     except ImportError as err:
         picture = f"no plot (pip install {err.name or 'matplotlib'})"
@@ -281,10 +343,10 @@ def sweep_id(lrs: Sequence[float], losses: Sequence[float | None]) -> str:
     return hashlib.sha256(json.dumps([list(lrs), list(losses)]).encode()).hexdigest()[:12]
 
 
-def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
-    """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each schedule's suggestion
-    marked, the chosen one red. Draws on ``ax`` or a new matplotlib Figure (no pyplot state or GUI backend
-    involved) and returns the Figure: ``.savefig("lr.png")`` writes a PNG."""
+def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] = ()) -> Any:
+    """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each suggestion marked and
+    named by the schedules it serves (as in save_sweep), the chosen one red. Draws on ``ax`` or a new
+    matplotlib Figure (no pyplot state or GUI backend involved) and returns it: ``.savefig("lr.png")``."""
     from matplotlib.figure import Figure
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
@@ -297,12 +359,13 @@ def plot_lr_find(result: LRFindResult, ax: Any = None) -> Any:
         low, high = min(descent + [v for _, v in raw]), max(descent + [raw[0][1]])
         pad = 0.08 * (high - low)  # > 0: the curve falls from its first point, never below the raw losses
         ax.set_ylim(low - pad, high + pad)  # the blow-up may leave the top; the descent stays readable
-    names = {"peak": "onecycle peak", "base": "constant/step/cosine/warmup"}
+    served = _served(result, schedules)
     for family, (lr, rule) in result.suggestions.items():
-        chosen = family == SCHEDULES.get(result.schedule)
+        chosen = family == family_of(result.schedule)
+        name = "onecycle peak" if family == "peak" else ("/".join(served[family]) or "other schedules")
         if lr is not None:
             ax.axvline(lr, color="tab:red" if chosen else "tab:gray", linestyle="-" if chosen else "--",
-                       linewidth=2.5 if chosen else 1, label=f"{names[family]} ({rule}): {lr:.3g}")
+                       linewidth=2.5 if chosen else 1, label=f"{name} ({rule}): {lr:.3g}")
     ax.set_xscale("log")
     ax.set(xlabel="learning rate", ylabel="loss" if result.train_losses is None else "validation loss",
            title=f"LR range test, {len(result.lrs)} steps, {result.stop_reason}; red: for --schedule "
@@ -326,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         from configs import exit_with_error, parse_config
         from contract import check_model
         from data import build_loaders
-        from models import amp_setup, build_model, check_graphs
+        from models import amp_dtype, build_model, check_graphs
     except ImportError as err:
         raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
                          f"files ({err.name} is missing); `from lr_find import lr_find` works alone") from err
@@ -342,14 +405,15 @@ def main(argv: list[str] | None = None) -> None:
             batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
             model = build_model(cfg, info.input_shape[0], len(info.names), device)
             print(*info.notes, check_model(model, batches, task, cfg, info), sep="\n")
-            amp_dtype, scaler = amp_setup(device, cfg.amp)
-            check_graphs(cfg, device, amp_dtype, world_size)  # train.py's next run would refuse it
+            check_graphs(cfg, device, amp_dtype(device, cfg.amp), world_size)  # as train.py's next run would
             with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
-                result, wrote = sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device,
+                result, wrote = sweep_setup(cfg, task, model, batches, info,
                                             progress=lambda i, lr, loss: bar.update())
         report(result, wrote, cfg, world_size)  # inside: a closed stdout (`| head`) is one line too
     except (KeyboardInterrupt, Exception) as err:  # a UserError or bad argument; a signal; a known failure
-        exit_with_error(*(str(err), 2) if isinstance(err, ValueError) else distributed.failure_line(
+        if isinstance(err, ValueError):
+            exit_with_error(str(err), 2)
+        exit_with_error(*distributed.failure_line(
             err, "; lr_find wrote nothing and the model is as it was: run the command again", status=1))
     finally:
         distributed.release_all()  # the folder's lock (and the folder, if this left it empty)
@@ -359,68 +423,51 @@ def report(result: LRFindResult, wrote: list, cfg, world_size: int) -> None:
     """What python lr_find.py says once its files are written: the sweep, its suggestions, the next
     command."""
     from configs import command_line, exit_with_error
+    from schedules import SCHEDULES
 
+    alone = "; rank 0 runs it" if world_size > 1 else ""
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
-          f"{result.stop_reason}{'; rank 0 runs it' * (world_size > 1)}; wrote {', '.join(map(str, wrote))}")
+          f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
         fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
             "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
         exit_with_error(f"no learning rate suggested ({result.why_none}){fix}", status=1)
-    others = "".join(f"; for {'/'.join(_SERVED[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
-                     in result.suggestions.items() if lr and f != SCHEDULES[result.schedule])
+    served = _served(result, SCHEDULES)
+    others = "".join(f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
+                     in result.suggestions.items() if lr and f != family_of(result.schedule))
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
     sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
     print(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
 
 
-def sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device, batches_per_step: int = 1,
+def sweep_setup(cfg, task, model, batches, info, batches_per_step: int = 1,
                 progress=None) -> tuple[LRFindResult, list]:
     """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 taking
-    `batches_per_step` batches a step), and what it wrote (a record naming the task, for --lr auto)."""
+    `batches_per_step` batches a step; AMP as cfg.amp gives it on the model's device), and what it wrote: a
+    record naming the task and, under each suggestion, the template's schedules it serves, which --lr auto
+    reads (configs/resolve.py)."""
     from checkpoints import reporting_write_errors
     from configs.resolve import task_identity
-    from models import OPTIMIZERS, build_optimizer
+    from models import OPTIMIZERS, amp_setup, build_optimizer
+    from schedules import SCHEDULES
     stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     loss = functools.partial(task.loss, cfg=cfg, info=info)
+    amp_dtype, scaler = amp_setup(next(model.parameters()).device, cfg.amp)  # fresh, as train.py's is here
     with contextlib.closing(stream):
         result = lr_find(model, optimizer, loss, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
                          normalizer=lambda batch: task.normalizer(batch[1], cfg, info),
                          num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * batches_per_step,
-                         autocast_dtype=amp_dtype, scaler=scaler, device=device, schedule=cfg.schedule,
+                         autocast_dtype=amp_dtype, scaler=scaler, schedule=cfg.schedule,
                          method=None if cfg.find_method == "auto" else cfg.find_method, progress=progress,
                          optimizer_kind=OPTIMIZERS[cfg.optimizer].kind)
     with reporting_write_errors(cfg.out_dir):
-        return result, save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir)
+        return result, save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir,
+                                  schedules=SCHEDULES)
 
 
 # pragma: no mutate end
-# --- internals: checks, suggestions, files and the sweep --------------------------------------
-
-
-def _check_args(model, optimizer, loss_fn, batch_loss, schedule, method, step_mode, optimizer_kind,
-                num_iter, smooth, diverge, accum_steps, min_iter_before_stop) -> None:
-    """A ValueError naming the first bad argument, before anything is touched."""
-    def whole(v: Any, low: int) -> bool:
-        return isinstance(v, int) and v >= low
-
-    for ok, message in [
-        ((loss_fn is None) != (batch_loss is None), "pass loss_fn(outputs, targets) or batch_loss(model, b)"),
-        (schedule in SCHEDULES, f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}"),
-        (method is None or method in RULES, f"method must be one of {METHODS}, got {method!r}"),
-        (step_mode in ("exp", "linear"), f"step_mode must be 'exp' or 'linear', got {step_mode!r}"),
-        (optimizer_kind in (None, *DEFAULT_RULES), f"optimizer_kind must be None, 'sgd' or 'adaptive', got "
-                                                   f"{optimizer_kind!r}"),
-        (whole(num_iter, 10), f"num_iter must be an int >= 10 to suggest, got {num_iter}"),
-        (0 <= smooth < 1, f"smooth must be in [0, 1), got {smooth}"),
-        (diverge > 1, f"diverge must be > 1, got {diverge}"),
-        (whole(accum_steps, 1), f"accum_steps must be an int >= 1, got {accum_steps}"),
-        (whole(min_iter_before_stop, 0), f"min_iter_before_stop must be an int >= 0: {min_iter_before_stop}"),
-        (any(p.requires_grad for p in model.parameters()), "model has no trainable parameters"),
-        (any(g["params"] for g in optimizer.param_groups), "optimizer has no parameters"),
-    ]:
-        if not ok:
-            raise ValueError(message)
+# --- internals: the plan, suggestions, files and the sweep ------------------------------------
 
 
 def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[list[float]]:
@@ -475,13 +522,21 @@ def _why_none(curve: SuggestionCurve) -> str:
     return "the loss was still falling at the end of the sweep (raise end_lr)"
 
 
-def _result(lrs, losses, smoothed, stop_reason, schedule, method, kind, kind_from="", stuck=None,
-            group_lrs=None, train_losses=None) -> LRFindResult:
-    chosen, rules = SCHEDULES[schedule], DEFAULT_RULES[kind]
+def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFindResult:
+    """The result of a sweep: each suggestion read from ``losses`` by ``kind``'s rules (``schedule``'s by
+    ``method`` if given), none for a ``stuck`` sweep; ``fields`` are its others (smoothed, stop_reason...)."""
+    chosen, rules = family_of(schedule), DEFAULT_RULES[kind]
     picks, why = _read(suggestion_curve(lrs, losses), {**rules, chosen: method or rules[chosen]}, stuck)
-    lr, rule = picks[chosen]
-    return LRFindResult(lrs, losses, smoothed, lr, stop_reason, rule, schedule, picks, kind, kind_from,
-                        group_lrs or [[v] for v in lrs], train_losses, why)
+    fields.setdefault("group_lrs", [[lr] for lr in lrs])
+    return LRFindResult(lrs, losses, suggestion=picks[chosen][0], method=picks[chosen][1], schedule=schedule,
+                        suggestions=picks, optimizer_kind=kind, why_none=why, **fields)
+
+
+def _served(result: LRFindResult, schedules: Iterable[str]) -> dict[str, list[str]]:
+    """The schedules each of the result's suggestions serves (family_of): of ``schedules``, onecycle and the
+    sweep's own."""
+    names = dict.fromkeys([*schedules, "onecycle", result.schedule])
+    return {family: [name for name in names if family_of(name) == family] for family in result.suggestions}
 
 
 def _write_atomically(path: Path, data: bytes) -> Path:
@@ -532,81 +587,64 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-def _sweep(model, optimizer, window_losses, batches, val_loader, plan, device, smooth, diverge, accum_steps,
-           scaler, min_iter_before_stop, progress) -> tuple[list[float], list[float], list[float], str]:
-    """One optimizer step per row of ``plan`` (each group's lr) until the stop rule fires: (losses,
-    smoothed, training losses, why)."""
-    # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
-    # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
-    cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
-    rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
-    events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-    losses, smoothed, train_losses, recent, stop = [], [], [], deque(maxlen=5), None
-    avg, best, floor, high_run = 0.0, math.inf, math.inf, 0
+@dataclass
+class _Sweep:
+    """A sweep's losses as it reads them, and what its stop rule keeps (lr_find's docstring says the rule)."""
 
-    def record(i: int) -> str | None:
-        """Read step i's loss; return why the sweep stops there, if it does."""
-        nonlocal avg, best, floor, high_run
-        if cuda:
-            events[i % 2].synchronize()
-        value, train = rows[i].tolist()
-        losses.append(value)
-        train_losses.append(train)
-        if progress is not None:
-            progress(i, plan[i][0], value)
-        if not math.isfinite(value):
-            smoothed.append(math.nan)
+    smooth: float
+    diverge: float
+    min_iter_before_stop: int
+    losses: list[float] = field(default_factory=list)
+    smoothed: list[float] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    average: float = 0.0  # the moving average, before its bias correction
+    floor: float = math.inf  # the lowest running median of five raw losses
+    high_run: int = 0  # raw losses in a row above diverge x floor
+
+    def run(self, step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
+            progress: Callable[[int, float, float], None] | None) -> str:
+        """``step(rates)`` for each row of ``plan`` until the stop rule fires; why it ended."""
+        # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
+        # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
+        cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
+        rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
+        events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+
+        def read(i: int) -> str | None:
+            if cuda:
+                events[i % 2].synchronize()
+            loss, train_loss = rows[i].tolist()
+            if progress is not None:
+                progress(i, plan[i][0], loss)
+            return self.add(loss, train_loss)
+
+        for i, rates in enumerate(plan):
+            rows[i].copy_(step(rates), non_blocking=cuda)
+            if cuda:
+                events[i % 2].record(torch.cuda.current_stream(device))
+            if i >= lag and (stop := read(i - lag)):
+                return stop
+        for i in range(len(plan) - lag, len(plan)):  # the steps still unread
+            if stop := read(i):
+                return stop
+        return "completed"
+
+    def add(self, loss: float, train_loss: float) -> str | None:
+        """Record the next step's losses; return why the sweep stops there, if it does."""
+        i = len(self.losses)
+        self.losses.append(loss)
+        self.train_losses.append(train_loss)
+        if not math.isfinite(loss):
+            self.smoothed.append(math.nan)
             return "non-finite loss"
-        avg = smooth * avg + (1 - smooth) * value
-        smoothed.append(avg / (1 - smooth ** (i + 1)))
-        best = min(best, smoothed[-1])
-        recent.append(value)
-        floor = min(floor, sorted(recent)[len(recent) // 2])  # a running median barely lags
-        high_run = high_run + 1 if value > diverge * floor else 0
-        blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
-        return "diverged" if i >= min_iter_before_stop and blown_up else None
-
-    def val_loss() -> torch.Tensor:
-        model.eval()
-        with torch.no_grad():
-            window = list(val_loader)
-            if not window:
-                raise ValueError("val_loader is empty: it yielded no batches")
-            divisor, each = window_losses(window)
-            total = sum(loss.detach().float() for loss in each) / divisor
-        model.train()
-        return total
-
-    model.train()
-    for i, rates in enumerate(plan):
-        for group, lr in zip(optimizer.param_groups, rates, strict=True):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        total = None  # the training loss: the window's mean, as one big batch would give
-        divisor, each = window_losses([next(batches) for _ in range(accum_steps)])
-        for loss in each:
-            loss = loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
-            total = loss.detach().float() if total is None else total + loss.detach().float()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        curve = total if val_loader is None else val_loss()
-        rows[i].copy_(torch.stack([curve, total]).flatten(), non_blocking=cuda)
-        if cuda:
-            events[i % 2].record(torch.cuda.current_stream(device))
-        if i >= lag and (stop := record(i - lag)):
-            break
-    else:  # the steps still unread
-        for i in range(len(plan) - lag, len(plan)):
-            if stop := record(i):
-                break
-    return losses, smoothed, train_losses, stop or "completed"
+        self.average = self.smooth * self.average + (1 - self.smooth) * loss
+        self.smoothed.append(self.average / (1 - self.smooth ** (i + 1)))
+        best, recent = min(self.smoothed), sorted(self.losses[-5:])  # all finite: a non-finite one stops it
+        self.floor = min(self.floor, recent[len(recent) // 2])  # a running median barely lags
+        self.high_run = self.high_run + 1 if loss > self.diverge * self.floor else 0
+        blown_up = ((best > 0 and self.smoothed[-1] > self.diverge * best)
+                    or (self.floor > 0 and self.high_run >= DIVERGED_RUN))
+        return "diverged" if i >= self.min_iter_before_stop and blown_up else None
 
 
 # --- internals: snapshot and restore ----------------------------------------------------------
@@ -645,27 +683,26 @@ def _put_back(kept: Any) -> Any:
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool) -> None:
-    """(to, from) pairs in one batched copy, asynchronous where CUDA takes part (host side pinned), then
-    with ``wait`` one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
+    """(to, from) pairs, each copied asynchronously where CUDA takes part (the host side is pinned); then,
+    with ``wait``, one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
     cuda = {t.device for pair in pairs for t in pair if t.is_cuda}
     with torch.no_grad():
-        torch._foreach_copy_(*map(list, zip(*pairs, strict=True)), non_blocking=bool(cuda))
+        for to, source in pairs:
+            to.copy_(source, non_blocking=bool(cuda))
     for device in cuda if wait else ():
         torch.cuda.synchronize(device)
 
 
-def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler | None) -> tuple[Callable[[], None], Callable[[], bool]]:
-    """Record all a sweep changes; return what puts it back, and what tells if a trainable weight moved."""
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+              undo: contextlib.ExitStack) -> Callable[[], bool]:
+    """Record all a sweep changes, for ``undo`` to put back; return what tells if a trainable weight moved."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     # All of the scaler too: its scale is created on first use, and must go back to "not created yet".
-    copies = []  # (CPU buffer, tensor): each way, one batched copy
+    copies = []  # (CPU buffer, tensor)
     kept = _keep(({(module, name): t for module in model.modules() for name, t in
                    [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
                   optimizer.state, groups, vars(scaler) if scaler is not None else {}), copies)
     weights = [k for k in kept[0].saved.values() if k.live.requires_grad]
-    # Plain attributes of the optimizer and any it wraps, such as an LR scheduler's step flag.
-    flags = [(o, {k: v for k, v in vars(o).items() if isinstance(v, _PLAIN)}) for o in _chain(optimizer)]
     modes, rng = [(m, m.training) for m in model.modules()], _capture_rng_state()
     _copy(copies, wait=True)
 
@@ -679,49 +716,68 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             params = group["params"]
             group.clear()
             group.update(params=params, **saved)
-        for o, saved in flags:
-            for k in [k for k, v in vars(o).items() if isinstance(v, _PLAIN) and k not in saved]:
-                delattr(o, k)
-            vars(o).update(saved)
         _restore_rng_state(rng)
         for m, training in modes:
             m.training = training
         for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
             p.grad = None
 
-    return restore, lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
+    undo.callback(restore)
+    for o in _chain(optimizer):  # the optimizer and any it wraps: an LR scheduler's step flag, say
+        _keep_attributes(o, undo)
+    return lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
 
 
-def _keep_loader(loader: Any) -> Callable[[], None]:
-    """Record what iterating a DataLoader changes and return what puts it back: the generators its
-    samplers draw from, its and their plain attributes, and its persistent workers (the sweep gets its
-    own, so the loader's come up as they would have). A dataset that is an iterator: one warning."""
+def _keep_attributes(obj: Any, undo: contextlib.ExitStack) -> None:
+    """For ``undo`` to put back: ``obj``'s plain attributes (any added later go), its generators' states."""
+    saved = {k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}
+    for v in vars(obj).values():
+        if isinstance(v, torch.Generator):
+            undo.callback(v.set_state, v.get_state())
+        elif isinstance(v, random.Random):
+            undo.callback(v.setstate, v.getstate())
+
+    def put_back() -> None:
+        for k in [k for k, v in vars(obj).items() if isinstance(v, _PLAIN) and k not in saved]:
+            delattr(obj, k)
+        vars(obj).update(saved)
+
+    undo.callback(put_back)
+
+
+def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
+    """What the sweep iterates for ``loader``; ``undo`` puts back what iterating it changes: the generators
+    its samplers draw from, its and their plain attributes. A DataLoader with persistent workers is swept
+    through a twin (_twin), so that its own workers come up as they would have. A dataset that is an
+    iterator: one warning."""
     parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    kept = []  # (setter, value)
-    for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)] if o is not None}.values():
-        for k, v in getattr(o, "__dict__", {}).items():
-            if isinstance(v, torch.Generator):
-                kept.append((v.set_state, v.get_state()))
-            elif isinstance(v, random.Random):
-                kept.append((v.setstate, v.getstate()))
-            elif isinstance(v, _PLAIN):
-                kept.append((functools.partial(vars(o).__setitem__, k), v))
+    for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)]}.values():
+        if hasattr(o, "__dict__"):
+            _keep_attributes(o, undo)
     if hasattr(type(getattr(loader, "dataset", None)), "__next__"):
         warnings.warn(f"lr_find: the DataLoader's dataset is an iterator ({type(loader.dataset).__name__}): "
                       "the sweep used up what it drew; give lr_find a loader of its own, or the dataset an "
-                      "__iter__ that starts afresh", UserWarning, stacklevel=4)
-    pool = getattr(loader, "persistent_workers", False)
-    if pool:  # the sweep gets workers of its own; the loader's (if any) come back
-        kept.append((functools.partial(setattr, loader, "_iterator"), loader._iterator))
-        loader._iterator = None
+                      "__iter__ that starts afresh", UserWarning, stacklevel=3)
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers:
+        return _twin(loader)
+    return loader
 
-    def put_back() -> None:
-        if pool and loader._iterator is not None:
-            loader._iterator._shutdown_workers()
-        for put, value in kept:
-            put(value)
 
-    return put_back
+def _twin(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+    """A DataLoader like ``loader``, built from its public attributes, whose workers stop at the end of each
+    pass (or when the sweep drops it): ``loader``'s persistent workers, started or not, are left alone. It
+    shares ``loader``'s dataset, samplers and generator, whose state _keep_loader puts back."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        order = {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
+    elif loader.batch_sampler is not None:
+        order = {"batch_sampler": loader.batch_sampler}
+    else:  # batch_size=None: samples one by one, not collated
+        order = {"batch_size": None, "sampler": loader.sampler}
+    return torch.utils.data.DataLoader(
+        loader.dataset, **order, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor, pin_memory_device=loader.pin_memory_device)
 
 
 # A deliberate copy of checkpoints.py's RNG capture (every global RNG a step may draw from), so that

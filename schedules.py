@@ -19,14 +19,17 @@ from typing import NoReturn
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-SCHEDULES = ("constant", "step", "onecycle", "warmup", "cosine")
+# Each schedule's options and their defaults (step_size None: a third of the run after warmup; max_lr None:
+# each group's lr). Its names are the one list of schedules: SCHEDULES, which configs/ and the tests read.
 _OPTIONS = {
-    "constant": "",
-    "warmup": "",
-    "step": "step_size gamma",
-    "cosine": "min_lr_ratio",
-    "onecycle": "max_lr pct_start div_factor final_div_factor anneal_strategy three_phase",
+    "constant": {},
+    "step": {"step_size": None, "gamma": 0.1},
+    "onecycle": {"max_lr": None, "pct_start": 0.3, "div_factor": 25.0, "final_div_factor": 1e4,
+                 "anneal_strategy": "cos", "three_phase": False},  # torch's OneCycleLR's defaults
+    "warmup": {},
+    "cosine": {"min_lr_ratio": 0.0},
 }
+SCHEDULES = tuple(_OPTIONS)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -101,10 +104,11 @@ class _Counted:
 
     schedule: str
     total_steps: int
+    _warned_past_end = False  # set on the instance (and so in its state_dict) once it warned
 
     def get_lr(self) -> list:
         step = self.last_epoch
-        if step > self.total_steps and not getattr(self, "_warned_past_end", False):
+        if step > self.total_steps and not self._warned_past_end:
             self._warned_past_end = True
             warnings.warn(
                 f"the {self.schedule} schedule was stepped past its total_steps ({self.total_steps}) and "
@@ -145,23 +149,15 @@ class _OneCycleLR(_Counted, OneCycleLR):
     schedule = "onecycle"
 
 
-def _onecycle(
-    optimizer: torch.optim.Optimizer,
-    total_steps: int,
-    max_lr: float | Iterable[float] | None = None,
-    pct_start: float = 0.3,
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    anneal_strategy: str = "cos",
-    three_phase: bool = False,
-) -> OneCycleLR:
-    """torch's OneCycleLR with its defaults, validated up front and never adding momentum.
+def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, options: dict) -> OneCycleLR:
+    """torch's OneCycleLR with ``options`` (all of _OPTIONS["onecycle"]), validated up front and never
+    adding momentum.
 
     Momentum is cycled only if every group already uses it (momentum > 0 or Adam-style betas):
     it stays at the optimizer's own value m at the low-lr ends and dips to min(0.85, m) at the
     peak, so it never exceeds what the user chose and plain SGD stays momentum-free.
     """
-    groups = optimizer.param_groups
+    groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
     # Each group's own peak: its lr, or the one a onecycle schedule left in it (a loaded state).
     peaks = [float(group.get("max_lr", group["lr"])) for group in groups]
     lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
@@ -172,13 +168,13 @@ def _onecycle(
     if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
         lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
     _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
-    _check(not three_phase or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
+    _check(not options["three_phase"] or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
     product = float(pct_start * total_steps)
     expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
     _check(product != 1, "pct_start * total_steps", expected, product)
-    for key, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
-        _check(_is_real(value) and value > 0, key, "a number > 0", value)
-    strategy = anneal_strategy
+    for key in ("div_factor", "final_div_factor"):
+        _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
+    strategy = options["anneal_strategy"]
     _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
     momenta = [_momentum(group) for group in groups]
     cycle = all(m > 0 for m in momenta)
@@ -187,13 +183,13 @@ def _onecycle(
         max_lr=lrs,
         total_steps=total_steps,
         pct_start=float(pct_start),
-        anneal_strategy=anneal_strategy,
+        anneal_strategy=strategy,
         cycle_momentum=cycle,
         base_momentum=[min(0.85, m) for m in momenta] if cycle else 0.85,
         max_momentum=momenta if cycle else 0.95,
-        div_factor=float(div_factor),
-        final_div_factor=float(final_div_factor),
-        three_phase=bool(three_phase),
+        div_factor=float(options["div_factor"]),
+        final_div_factor=float(options["final_div_factor"]),
+        three_phase=bool(options["three_phase"]),
     )
 
 
@@ -222,10 +218,9 @@ def build_scheduler(
     """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
 
     warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle,
-    whose warm phase is pct_start (default 0.3, torch's); warmup needs one. Options equal to
-    None take their defaults: step uses step_size=ceil((total_steps - warmup_steps) / 3),
-    gamma=0.1, i.e. decays at 1/3 and 2/3 of the post-warmup span; cosine decays to min_lr_ratio
-    (default 0) x base. onecycle's max_lr: a list sets each param group's peak; a number is the
+    whose warm phase is pct_start; warmup needs one. Options equal to None take their defaults
+    (_OPTIONS): step decays by gamma at 1/3 and 2/3 of the post-warmup span, cosine to
+    min_lr_ratio x base. onecycle's max_lr: a list sets each param group's peak; a number is the
     first group's, the others keeping the ratio of their lrs to its lr (as lr_find sweeps them);
     None: each group's lr. (A peak that a onecycle schedule already set in a group, as a loaded
     optimizer state holds, stands for the group's lr.) Stepped past total_steps, a schedule
@@ -236,10 +231,10 @@ def build_scheduler(
     _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
     ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
     _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
-    accepted = _OPTIONS[name].split()
+    accepted = list(_OPTIONS[name])
     for key in options:
         _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
-    options = {key: value for key, value in options.items() if value is not None}
+    options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
     _require(
         name != "warmup" or warmup_steps >= 1 or total_steps == 1,
         "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant",
@@ -249,15 +244,15 @@ def build_scheduler(
             warmup_steps == 0,
             "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start",
         )
-        return _onecycle(optimizer, total_steps, **options)
+        return _onecycle(optimizer, total_steps, options)
     if name == "step":
-        options.setdefault("step_size", max(1, math.ceil((total_steps - warmup_steps) / 3)))
-        options.setdefault("gamma", 0.1)
+        if options["step_size"] is None:
+            options["step_size"] = max(1, math.ceil((total_steps - warmup_steps) / 3))
         step_size, gamma = options["step_size"], options["gamma"]
         _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
         _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
     if name == "cosine":
-        ratio = options.get("min_lr_ratio", 0.0)
+        ratio = options["min_lr_ratio"]
         _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
     factor = functools.partial(
         _lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps, **options
@@ -287,11 +282,7 @@ def optimizer_step(
     wrappers (their `.optimizer`) ran its step and the wrapper does not report
     `step_was_skipped`. While a wrapper's `gradient_state.sync_gradients` is False, the
     half-accumulated gradients are neither unscaled nor clipped. Telling a skip costs at most one
-    read from the device per step: a plain optimizer is only called by scaler.step when the
-    gradients are finite (its own read, which a step hook sees for free); a fused one is always
-    called and skips on the device, so the scale is read once after update() and compared with
-    the value remembered from the previous call (a skip shrinks it; torch enforces
-    backoff_factor < 1). Without a scaler (bf16, fp32) nothing is read. clip_grad (None or 0 =
+    read from the device per step, none without a scaler (bf16, fp32). clip_grad (None or 0 =
     off) clips the global grad norm of `parameters` (default: all of the optimizer's), unscaled
     first. Gradients are not zeroed: call optimizer.zero_grad(set_to_none=True) yourself.
     Returns whether the optimizer stepped.
@@ -321,14 +312,16 @@ def optimizer_step(
             hook.remove()
     stepped = (plain or bool(called)) and not getattr(optimizer, "step_was_skipped", False)
     if scaler is not None:
-        # GradScaler's own test for an optimizer that takes found_inf and skips on the device
+        # scaler.step calls a plain optimizer only when the gradients are finite (its own read, which the
+        # hook sees for free). A fused one (GradScaler's own test below) is always called and skips on the
+        # device: the scale is read once after update() and compared with the one after the previous call
+        # (a skip shrinks it; torch enforces backoff_factor < 1).
         skips_on_device = scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False)
-        before = _scale_after_update.get(scaler) if skips_on_device else None
-        if skips_on_device and before is None:
-            before = scaler.get_scale()  # first call with this scaler: one extra read, once
+        if skips_on_device and scaler not in _scale_after_update:
+            _scale_after_update[scaler] = scaler.get_scale()  # first call with this scaler: one extra read
         scaler.update()
         if skips_on_device:
-            after = scaler.get_scale()
+            before, after = _scale_after_update[scaler], scaler.get_scale()
             _scale_after_update[scaler] = after
             stepped = stepped and after >= before
     if stepped and scheduler is not None:

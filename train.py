@@ -70,7 +70,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     info.notes.append(check_model(model, train_batches, task, cfg, info))
     amp_dtype, scaler = amp_setup(device, cfg.amp)
     if lr is None:  # --lr find: the range test on this model and data, which it leaves as it found them
-        lr = find_lr(cfg, task, model, train_batches, info, amp_dtype, scaler)
+        lr = find_lr(cfg, task, model, train_batches, info, amp_dtype)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
@@ -314,7 +314,7 @@ def evaluate(model, batches, task, cfg: Config, info, device, amp_dtype):
 # ---------------------------------------------------------------- --lr find
 
 
-def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler) -> float:
+def find_lr(cfg: Config, task, model, batches, info, amp_dtype) -> float:
     """--lr find: lr_find.py's sweep on this very model and data, its files written, its suggestion.
 
     Under torchrun rank 0 sweeps alone while the others wait for the rate: it accumulates
@@ -326,8 +326,7 @@ def find_lr(cfg: Config, task, model, batches, info, amp_dtype, scaler) -> float
     check_graphs(cfg, device, amp_dtype, world_size)  # a --cuda-graphs the run will refuse: before the sweep
     if distributed.rank() == 0:
         try:
-            result, wrote = lr_find.sweep_setup(cfg, task, model, batches, info, amp_dtype, scaler, device,
-                                                batches_per_step=world_size)
+            result, wrote = lr_find.sweep_setup(cfg, task, model, batches, info, batches_per_step=world_size)
             found = result.suggestion
             fix = "" if result.why_none == lr_find.FIRST_LOSS_NOT_FINITE else (
                 f"; look at {wrote[-1]}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "

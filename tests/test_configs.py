@@ -145,6 +145,7 @@ def test_the_choices_are_read_where_they_are_defined():
     assert configs.registry("dataset") is data.DATASETS
     assert configs.registry("optimizer") is models.OPTIMIZERS
     assert configs.registry("schedule") is schedules.SCHEDULES
+    assert {lr_find.family_of(s) for s in schedules.SCHEDULES} == {"peak", "base"}  # each one's suggestion
     for mode in configs.AMP_MODES:
         models.amp_dtype(torch.device("cpu"), mode)
     assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": configs.LOADERS,

@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT, TORCHRUN, read_scalars
 
 import lr_find
+import schedules
 import task
 from configs import parse_config, resolve
 
@@ -64,9 +65,10 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
     pytest.importorskip("matplotlib")
     lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
     losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
-    result = lr_find._result(lrs, losses, losses, "completed", "cosine", "min/10", "sgd")
+    result = lr_find._result(lrs, losses, "cosine", "min/10", "sgd", smoothed=losses, stop_reason="completed")
     config = parse_config(["--out-dir", str(tmp_path), "--schedule", "cosine", "--find-method", "min/10"])
-    lr_find.save_sweep(result, {**config.to_dict(), "task": resolve.task_identity(task)}, tmp_path)
+    lr_find.save_sweep(result, {**config.to_dict(), "task": resolve.task_identity(task)}, tmp_path,
+                       schedules=schedules.SCHEDULES)
     record = json.loads((tmp_path / "lr_find.json").read_text())
     peak = record["suggestions"]["peak"]
     assert record["schedule"] == "cosine" and record["method"] == "min/10" and peak["method"] == "minimum"

@@ -351,7 +351,7 @@ def a_sweep(lowest: float) -> lr_find.LRFindResult:
     lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
     losses = [2 - math.tanh(2 * math.log10(lr / lowest) + 4) + max(0.0, math.log10(lr / lowest)) ** 2
               for lr in lrs]
-    return lr_find._result(lrs, losses, losses, "completed", "onecycle", None, "sgd")
+    return lr_find._result(lrs, losses, "onecycle", None, "sgd", smoothed=losses, stop_reason="completed")
 
 
 @pytest.mark.parametrize("after", ["lr_find.json", "lr_find.png"])
