@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configs import Config, UserError, first_line
+from configs import OUT_DIR_RESUMES, Config, UserError, first_line
 from configs.resolve import check_resumable, resumed_config, task_identity
 from distributed import lock_out_dir, release_all
 
@@ -259,7 +259,7 @@ def load_resume(cfg: Config, given: dict | None, task) -> tuple[dict, Path, Conf
     with `given`, the settings the command line gave, on top; None: all of cfg's). Refuses in one
     line a file that is not a train.py checkpoint, another task's, nan/inf weights, and a config that
     would change what the saved state means."""
-    path = Path(cfg.out_dir) / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    path = Path(cfg.out_dir) / "last.pt" if cfg.resume in OUT_DIR_RESUMES else Path(cfg.resume)
     ckpt = load_checkpoint(path)
     if missing := [key for key in CHECKPOINT_KEYS if key not in ckpt]:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: not a train.py checkpoint of this "

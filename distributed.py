@@ -67,8 +67,23 @@ def setup(device_name: str) -> tuple[int, int, torch.device]:
     device = pick_device(device_name)
     if "RANK" not in os.environ:
         return 0, 1, device
+    watch_parent()
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def watch_parent() -> None:
+    """Under torchrun: should the agent that started this process die (a kill -9 of torchrun), this
+    process gets the SIGTERM the agent would have sent, so it saves and stops at its next log point,
+    as the others do, instead of training on unwatched (and writing into a folder a new job may use)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="torchrun-agent-watch", daemon=True).start()
 
 
 def is_distributed() -> bool:
@@ -83,6 +98,12 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether a failed collective says another process of the run is gone (killed, or stopped by
+    torchrun after another failure): NCCL's errors are torch's DistError, gloo's a closed connection."""
+    return is_distributed() and (isinstance(err, dist.DistError) or "gloo/transport" in str(err))
 
 
 def barrier() -> None:
@@ -288,12 +309,13 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Signals:
-    """Ctrl-C, SIGTERM (systemd, Slurm, `kill`) and SIGHUP (a dropped ssh session), for the whole
-    process. Outside the loop a signal raises Interrupted at once. Inside it (`deferred`), a signal
-    only sets `received`: the loop saves after its step, then stops; a second one stops at once,
-    except while a save runs (`holding`), which nothing interrupts."""
+    """Ctrl-C, SIGTERM (systemd, Slurm, `kill`, torchrun stopping its workers), SIGHUP (a dropped ssh
+    session) and SIGUSR1 (what Slurm's --signal sends before a time limit), for the whole process. Outside
+    the loop a signal raises Interrupted at once. Inside it (`deferred`), a signal only sets `received`:
+    the loop saves after its step, then stops; a second one stops at once, except while a save runs
+    (`holding`), which nothing interrupts."""
 
-    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
     def __init__(self):
         self.received, self.mode, self.depth, self.previous = 0, "raise", 0, {}

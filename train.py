@@ -28,7 +28,7 @@ import distributed
 import logs
 import lr_find
 import task as default_task
-from configs import Config, UserError, parse_given, resolve
+from configs import Config, UserError, first_line, parse_given, resolve
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
 from distributed import continue_command
@@ -53,9 +53,15 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     """One run. A resume takes the checkpoint's config, `given` (the flags given; None: all of cfg) on top."""
     # Setup. A resume continues with the checkpoint's config, checked against what was given now;
     # an --out-dir that cannot be written, or holds an unfinished run, is refused before any data loads.
+    # --resume auto with no last.pt yet is a first start: one command starts a run and continues it.
+    first_start = cfg.resume == "auto" and not (Path(cfg.out_dir) / "last.pt").is_file()
+    if first_start:
+        cfg = configs.validate(replace(cfg, resume=""))
     ckpt, path, cfg = checkpoints.load_resume(cfg, given, task) if cfg.resume else (None, None, cfg)
     rank, world_size, device = distributed.setup(cfg.device)
     say = print if rank == 0 else (lambda *a, **k: None)  # rank 0 alone prints, logs and saves
+    if first_start:
+        say(f"--resume auto: no {Path(cfg.out_dir) / 'last.pt'} yet, so a new run")
     out_dir = Path(cfg.out_dir)
     lr = resolve.resolve_lr(cfg, task, say)  # a number (--lr auto: lr_find.json's); None: --lr find
     distributed.on_rank0(checkpoints.claim_out_dir, out_dir, path)
@@ -130,6 +136,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     val, epoch_rates, seeds, started = None, [], {}, time.perf_counter()
     bar_shown = rank == 0 and sys.stdout.isatty()  # a progress bar in a terminal, not in a log file
     losses, counts = [], []  # since the last log point, on the device: summed losses, their normalizers
+    mid_step = False  # from a step's first forward to its optimizer step: its state is the step's, half done
     with (tensorboard, distributed.holding(out_dir), closing(train_batches), closing(val_batches),
           distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as signals):
         try:
@@ -145,7 +152,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     # and every process, so that a step is one batch k x N times as large, for weighted
                     # and masked means too. Only the last backward all-reduces.
                     size = min(cfg.accum_steps, batches_per_epoch - progress.batch)
-                    window = [next(stream) for _ in range(size)]
+                    window, mid_step = [next(stream) for _ in range(size)], True
                     normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
                     weight = step_weight(normalizers, world_size, device, seeds)
                     for micro_step, (inputs, targets) in enumerate(window):
@@ -168,6 +175,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
                     optimizer.zero_grad(set_to_none=True)
                     progress.step, progress.batch = progress.step + 1, progress.batch + len(window)
+                    mid_step = False
 
                     # Log points (every log_every steps, and the epoch's last) are the only place the
                     # loop reads the device: the loss since the last one, and the divergence check on it.
@@ -226,6 +234,18 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             then = ("nothing was trained yet; replace or delete it and run again" if saved is None else
                     f"{holds(saved, out_dir)}; replace or delete it, then {resuming(out_dir, world_size)}")
             raise UnreadableImage(f"{err}; {then}") from None
+        except RuntimeError as err:  # a collective failed: under torchrun, another process may be gone
+            if not distributed.peer_lost(err):
+                raise
+            # Between steps, every rank holds the last whole step (equal on all of them), so rank 0 saves it
+            # as it stands, which needs no collective; mid-step (a forward has moved BatchNorm's statistics
+            # and the RNGs) last.pt stays as it is, whole.
+            if rank == 0 and not mid_step and progress.step > (saved.step if saved else 0):
+                saved = save("last.pt")
+            left = "no checkpoint was written" if saved is None else holds(saved, out_dir)
+            raise UserError(f"another process of this run failed ({first_line(err, 120)}): stopped at step "
+                            f"{progress.step}; {left}; continue with `torchrun ... train.py ... --resume "
+                            "auto` (torchrun --max-restarts N does that itself)", 1) from None
         except distributed.Interrupted as err:  # a second signal: stopped at once
             left = ("no checkpoint was written" if saved is None
                     else f"{holds(saved, out_dir)}; {resuming(out_dir, world_size)}")

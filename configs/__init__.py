@@ -26,6 +26,7 @@ REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZE
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 LOADERS = ("auto", "device", "dataloader")
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
+OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
 TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
@@ -155,9 +156,11 @@ class Config:
                              "is logged every step)", limits="> 0", may_change=True, keeps_lr=True)
     save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
                               limits=">= 0", may_change=True, keeps_lr=True)
-    resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH,"
-                          " with the checkpoint's settings; flags given too override them where a "
-                          "resume may change them (--out-dir, --log-every, ...) and are refused elsewhere",
+    resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH; auto: continue "
+                          "<out_dir>/last.pt if there is one, else start a new run (one command for a first "
+                          "start and every restart: Slurm's requeues, torchrun's restarts); with the "
+                          "checkpoint's settings, and flags given too override them where a resume may "
+                          "change them (--out-dir, --log-every, ...) and are refused elsewhere",
                           may_change=True, keeps_lr=True)
     allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
                                       "schedules only: the others are shaped by the run's length)",
@@ -316,7 +319,7 @@ def _parser(description: str) -> _Parser:
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
     for f in fields(Config):
         if f.name == "resume":
-            parser.add_argument("--resume", nargs="?", const="auto", default=argparse.SUPPRESS,
+            parser.add_argument("--resume", nargs="?", const="last", default=argparse.SUPPRESS,
                                 metavar="PATH", help=f.metadata["help"])
         elif isinstance(f.default, bool):
             negated = "--no-" + _flag(f.name)[2:]

@@ -16,6 +16,7 @@ from configs import (
     _FIELDS,
     LENGTH_FREE_SCHEDULES,
     LR_WORDS,
+    OUT_DIR_RESUMES,
     Config,
     UserError,
     _convert,
@@ -35,7 +36,7 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
     given = dict(given)
     if given.get("lr") in LR_WORDS:
         del given["lr"]
-    if "out_dir" not in given and given.get("resume", "auto") != "auto":
+    if "out_dir" not in given and given.get("resume", "last") not in OUT_DIR_RESUMES:
         given["out_dir"] = str(Path(checkpoint).parent)
     try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
         saved = {k: _convert(k, v) if k != "resume" else v for k, v in saved.items() if k in _FIELDS}

@@ -57,7 +57,7 @@ def test_every_field_has_a_flag():
 
 def test_lr_auto_and_resume_forms():
     assert parse_config(["--lr", "auto"]).lr == "auto"
-    assert parse_config(["--resume"]).resume == "auto"
+    assert parse_config(["--resume"]).resume == "last"
     assert parse_config(["--resume", "runs/a/last.pt"]).resume == "runs/a/last.pt"
 
 

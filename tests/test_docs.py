@@ -57,6 +57,8 @@ MARKED = {
         "tensorboard --logdir runs": "runs until stopped",
         "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
         "--rdzv-id=myrun train.py --config configs/cifar10.toml": "needs GPUs",
+        "torchrun --standalone --nproc_per_node=4 --max-restarts=3 train.py --config configs/cifar10.toml "
+        "--out-dir runs/c10 --resume auto": "needs GPUs",
     },
     "docs/your_data.md": {
         "python lr_find.py --dataset imagefolder --data-dir my_images --model resnet18 --pretrained "

@@ -548,7 +548,8 @@ def test_every_boolean_takes_the_values_people_type(name):
 
 
 def test_resume_flag_keeps_its_forms():
-    assert parse_config(["--resume", "--no-augment"]).resume == "auto"
+    assert parse_config(["--resume", "--no-augment"]).resume == "last"
+    assert parse_config(["--resume", "auto"]).resume == "auto"
     assert parse_config(["--resume", "runs/a/last.pt"]).resume == "runs/a/last.pt"
 
 

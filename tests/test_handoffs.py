@@ -182,12 +182,12 @@ def test_resumed_config_layers():
     saved = parse_config(["--width", "8", "--out-dir", "runs/a", "--lr", "0.3"]).to_dict()
     saved["allow_more_epochs"] = True
     saved["retired_setting"] = 1  # a field since removed from Config is ignored
-    cfg = resumed_config(saved, {"resume": "auto", "out_dir": "runs/a", "lr": "find"}, "runs/a/last.pt")
+    cfg = resumed_config(saved, {"resume": "last", "out_dir": "runs/a", "lr": "find"}, "runs/a/last.pt")
     assert (cfg.width, cfg.lr, cfg.out_dir, cfg.allow_more_epochs) == (8, 0.3, "runs/a", False)
     elsewhere = resumed_config(saved, {"resume": "copies/b/best.pt"}, "copies/b/best.pt")
     assert elsewhere.out_dir == "copies/b"  # --resume PATH continues in PATH's folder
     with pytest.raises(UserError, match="epochs must be a number > 0"):
-        resumed_config(saved, {"resume": "auto", "epochs": 0}, "runs/a/last.pt")
+        resumed_config(saved, {"resume": "last", "epochs": 0}, "runs/a/last.pt")
 
 
 # ---------------------------------------------------------------- no silent no-ops; files and messages
