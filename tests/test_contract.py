@@ -91,6 +91,17 @@ def test_a_crop_per_pixel_values_cannot_follow_is_refused(monkeypatch):
     assert "images: no crop or flip (--no-augment)" in build_loaders(cfg, CPU, targets="values")[2].notes
 
 
+def test_a_resize_per_pixel_targets_cannot_follow_is_refused(monkeypatch):
+    """A model of a fixed input size (a ViT: 224 px) would get resized images and the masks of their old
+    size: refused at start-up, in one line."""
+    pixels = images(16)
+    masks = (pixels[:, 0] > 127).long()
+    flags = use(monkeypatch, lambda: Source((pixels, masks), (pixels[:4], masks[:4]), ["dark", "bright"]))
+    cfg = parse_config([*flags, "--model", "vit_b_16", "--batch-size", "4", "--device", "cpu"])
+    with pytest.raises(ValueError, match="vit_b_16 takes 224x224 px inputs, and the per-pixel targets"):
+        build_loaders(cfg, CPU)
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--dataset", "digits"], "images: a random crop after 1 px of zero padding on training batches"),
     (["--dataset", "digits", "--no-augment"], "images: no crop or flip (--no-augment)"),
