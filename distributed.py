@@ -68,8 +68,14 @@ def setup(device_name: str) -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ:
         return 0, 1, device
     watch_parent()
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size))
+    # Keys of this attempt's own: torchrun's restarts may keep its store, where a dead process's address
+    # would otherwise be found first (gloo then connects to it, and fails or hangs).
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size)
+    return rank, world_size, device
 
 
 def watch_parent() -> None:
