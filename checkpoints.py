@@ -278,6 +278,9 @@ def load_resume(cfg: Config, given: dict | None, task) -> tuple[dict, Path, Conf
                         "resume from another checkpoint")
     cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
     check_resumable(ckpt["config"], cfg)
+    if run.get("stopped"):
+        raise NothingToDo(f"{path} holds a run that stopped early at epoch {run['epoch']} "
+                          f"({run['stopped']}): nothing to do, nothing changed; train longer with a new run")
     if run["epoch"] >= cfg.epochs:
         raise NothingToDo(f"{path} holds a complete run ({cfg.epochs} epochs, step {run['step']}): nothing "
                           "to do, nothing changed; train longer with a new run (or --epochs N "
@@ -396,7 +399,8 @@ def refuse_unfinished_run(path: Path, resumed_from: Path | None = None) -> None:
     except UserError:
         return  # unreadable, so there is nothing to continue
     step, total = saved.get("step", 0), saved.get("total_steps", 0)
-    if isinstance(step, int) and isinstance(total, int) and step < total:
+    stopped = isinstance(saved.get("run"), dict) and saved["run"].get("stopped")  # --early-stop: finished
+    if isinstance(step, int) and isinstance(total, int) and step < total and not stopped:
         this = f"resuming {resumed_from} there" if resumed_from else "a new run"
         raise UserError(f"{path} holds an unfinished run (step {step} of {total}) that {this} would "
                         f"overwrite; continue it with --resume --out-dir {path.parent}, or pick another "

@@ -183,6 +183,7 @@ def run_summary(task, val, progress, seconds: float, facts: dict) -> dict:
     cover = SECONDS_COVER if progress.part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}"
     facts = dict(facts)
     return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": facts.pop("epochs"),
+            "epochs_run": progress.epoch, "stopped": progress.stopped,  # --early-stop: why it ended sooner
             "steps": progress.step, "seconds": seconds, "total_seconds": progress.seconds_before + seconds,
             "parts": progress.part, "seconds_cover": cover, **facts, **(val.details if val else {})}
 
@@ -199,9 +200,11 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
             write_png_atomic(out_dir / f"{name}.png", pictures[name])
     write_json_atomic(out_dir / "summary.json", summary)
     total, parts = summary["total_seconds"], summary["parts"]
+    early = f", stopped early after epoch {summary['epochs_run']}" if summary["stopped"] else ""
     print(f"done: val {main} {task.show(main, summary[f'val_{main}'])} (best "
           f"{task.show(main, summary[f'best_val_{main}'])}) in {summary['seconds']:.1f}s"
-          f"{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}; logs and checkpoints in {out_dir}")
+          f"{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}{early}; logs and checkpoints in "
+          f"{out_dir}")
 
 
 def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) -> None:

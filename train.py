@@ -47,6 +47,8 @@ class Progress:
     start_loss: float | None = None  # the run's first batch loss, the yardstick for divergence
     seconds_before: float = 0.0  # training time of the run's earlier parts, up to their last save
     part: int = 1  # 2 and up: resumed
+    stale: int = 0  # evaluations since the main metric last improved by more than --min-delta
+    stopped: str | None = None  # why the run stopped before its last epoch (--early-stop)
 
 
 def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
@@ -217,15 +219,23 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     say(line)
                     raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", lr, optimizer,
                                    progress, saved, out_dir)
-                score = val.metrics[task.MAIN_METRIC]
-                improved = progress.best is None or (score > progress.best if task.HIGHER_IS_BETTER
-                                                     else score < progress.best)
+                score, best = val.metrics[task.MAIN_METRIC], progress.best
+                gain = math.inf if best is None else (score - best if task.HIGHER_IS_BETTER else best - score)
                 progress.epoch, progress.batch = epoch + 1, 0
-                progress.best = score if improved else progress.best
+                progress.best = score if gain > 0 else best
+                progress.stale = 0 if gain > cfg.min_delta else progress.stale + 1
+                if cfg.early_stop and progress.stale >= cfg.early_stop and epoch + 1 < cfg.epochs:
+                    progress.stopped = (f"val {task.MAIN_METRIC} did not improve by more than "
+                                        f"{cfg.min_delta:g} in {progress.stale} evaluations (--early-stop "
+                                        f"{cfg.early_stop})")
                 saved = save("last.pt")
-                if improved:
+                if gain > 0:
                     save("best.pt")
                 say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
+                if progress.stopped:
+                    say(f"early stop after epoch {epoch + 1}/{cfg.epochs}: {progress.stopped}; best.pt holds "
+                        f"the best val {task.MAIN_METRIC}")
+                    break
                 if signals.now(True, device):  # a signal in the evaluation: saved just now
                     raise stopped(progress.step, out_dir, world_size, say)
         except UnreadableImage as err:  # an image the data cannot decode stops the run as Ctrl-C does

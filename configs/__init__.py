@@ -156,6 +156,11 @@ class Config:
                              "is logged every step)", limits="> 0", may_change=True, keeps_lr=True)
     save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
                               limits=">= 0", may_change=True, keeps_lr=True)
+    early_stop: int = setting(0, "stop once the task's main metric has not improved for this many "
+                              "evaluations in a row (best.pt stays the best); 0: off", limits=">= 0",
+                              may_change=True, keeps_lr=True)
+    min_delta: float = setting(0.0, "--early-stop: how much better the main metric must get to count as "
+                               "improved", limits=">= 0", may_change=True, keeps_lr=True)
     resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH; auto: continue "
                           "<out_dir>/last.pt if there is one, else start a new run (one command for a first "
                           "start and every restart: Slurm's requeues, torchrun's restarts); with the "
