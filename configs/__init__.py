@@ -160,7 +160,7 @@ class Config:
                               "evaluations in a row (best.pt stays the best); 0: off", limits=">= 0",
                               may_change=True, keeps_lr=True)
     min_delta: float = setting(0.0, "--early-stop: how much better the main metric must get to count as "
-                               "improved", limits=">= 0", may_change=True, keeps_lr=True)
+                               "improved; 0: any gain counts", limits=">= 0", may_change=True, keeps_lr=True)
     resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH; auto: continue "
                           "<out_dir>/last.pt if there is one, else start a new run (one command for a first "
                           "start and every restart: Slurm's requeues, torchrun's restarts); with the "
