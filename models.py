@@ -10,6 +10,7 @@ optimizers, each with its kind, which lr_find's rules read.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 import distributed
 from checkpoints import downloading, load_checkpoint
@@ -178,9 +180,10 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
 
 
 def weights_of(state: dict) -> dict:
-    """The state_dict in a checkpoint of ours ("model"), a Lightning-style one ("state_dict") or a
-    plain one, without the `module.` and `_orig_mod.` prefixes DDP and torch.compile add."""
-    weights = state.get("model", state.get("state_dict", state))
+    """The state_dict in a checkpoint of ours (the --ema average where it holds one, else "model"), a
+    Lightning-style one ("state_dict") or a plain one, without the `module.` and `_orig_mod.` prefixes
+    DDP and torch.compile add."""
+    weights = state.get("ema") or state.get("model", state.get("state_dict", state))
     if not isinstance(weights, dict):
         raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", key): value for key, value in weights.items()}
@@ -327,6 +330,35 @@ def fused_by_default(cfg: Config, device: torch.device) -> bool:
         return False
     sgd_momentum = cfg.optimizer == "sgd" and cfg.momentum > 0
     return not (sgd_momentum and amp_dtype(device, cfg.amp) == torch.float16)
+
+
+# ---------------------------------------------------------------- --ema
+
+
+@dataclass
+class Ema:
+    """--ema: an exponential moving average of a model's weights and BatchNorm statistics, kept on the device
+    in a copy of the model (`average`, in eval mode, never trained), which evaluation, best.pt, --evaluate
+    and --predict use. torch's AveragedModel reads its step count from the device twice a step; this keeps
+    the count on the host and moves the average with torch's own get_ema_multi_avg_fn (one lerp for all)."""
+
+    average: nn.Module
+    decay: float
+    pairs: tuple[list[torch.Tensor], list[torch.Tensor]]  # the average's floating-point tensors, the model's
+
+    @classmethod
+    def of(cls, model: nn.Module, decay: float) -> Ema:
+        """The average of `model`, starting as a copy of it (its integer buffers, such as BatchNorm's
+        batch count, stay the copy's: only floats are averaged)."""
+        average = copy.deepcopy(model).eval().requires_grad_(False)
+        tensors = zip(average.state_dict().values(), model.state_dict().values(), strict=True)
+        floats = [(a, m) for a, m in tensors if a.is_floating_point()]
+        return cls(average, decay, ([a for a, _ in floats], [m for _, m in floats]))
+
+    def update(self, updates: int) -> None:
+        """After an optimizer step that happened, the `updates`-th: the average moves toward the model,
+        with the decay warmed up as timm's, min(decay, (1 + n) / (10 + n)), so early weights fade fast."""
+        get_ema_multi_avg_fn(min(self.decay, (1 + updates) / (10 + updates)))(*self.pairs, None)
 
 
 # ---------------------------------------------------------------- AMP

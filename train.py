@@ -27,6 +27,7 @@ import configs
 import distributed
 import logs
 import lr_find
+import models
 import task as default_task
 from configs import Config, UserError, first_line, parse_given, resolve
 from contract import check_model
@@ -48,6 +49,7 @@ class Progress:
     seconds_before: float = 0.0  # training time of the run's earlier parts, up to their last save
     part: int = 1  # 2 and up: resumed
     stale: int = 0  # evaluations since the main metric last improved by more than --min-delta
+    averaged: int = 0  # --ema: the optimizer steps (taken, not skipped) averaged so far
     stopped: str | None = None  # why the run stopped before its last epoch (--early-stop)
 
 
@@ -81,6 +83,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         lr = find_lr(cfg, task, model, train_batches, info, amp_dtype)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
+    ema = models.Ema.of(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
@@ -89,6 +92,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     if ckpt:
         checkpoints.check_same_data(ckpt, path, data)
         checkpoints.restore_training_state(ckpt, path, model, optimizer, scheduler, scaler)
+        if ema:
+            ema.average.load_state_dict(ckpt["ema"])
         progress = Progress(**{**ckpt["run"], "part": ckpt["run"]["part"] + 1})
         saved = replace(progress)
         where = checkpoints.position(progress.epoch, progress.batch, cfg.epochs, batches_per_epoch)
@@ -120,6 +125,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
                 checkpoints.write_checkpoint({
                     "model": model.state_dict(),
+                    "ema": ema.average.state_dict() if ema else None,  # what --evaluate and --predict use
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "scaler": scaler.state_dict() if scaler is not None else None,
@@ -174,7 +180,10 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     # The optimizer step, and the scheduler's with it (both skipped where GradScaler
                     # finds inf gradients). The rate is a number the host has: keeping it costs no sync.
                     tensorboard.point("train/lr", progress.step + 1, optimizer.param_groups[0]["lr"])
-                    optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
+                    stepped = optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None)
+                    if ema and stepped:
+                        progress.averaged += 1
+                        ema.update(progress.averaged)
                     optimizer.zero_grad(set_to_none=True)
                     progress.step, progress.batch = progress.step + 1, progress.batch + len(window)
                     mid_step = False
@@ -206,11 +215,14 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
                 # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
                 distributed.sync_buffers(model)
+                if ema:
+                    distributed.sync_buffers(ema.average)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
                 examples = cfg.batch_size * (batches_per_epoch - first_batch)  # all processes'
                 epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
-                val = evaluate(runner, val_batches, task, cfg, info, device, amp_dtype)
+                evaluated = ema.average if ema else runner  # --ema: the average is the model a run gives
+                val = evaluate(evaluated, val_batches, task, cfg, info, device, amp_dtype)
                 logs.log_evaluation(val, task, info.names, val_batches.to_pixels, progress.step, tensorboard)
                 unit = "img" if info.images else "examples"
                 rate = f"  ({epoch_rates[-1]:,.0f} {unit}/s)" if examples else ""
@@ -265,10 +277,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         # Summary, while the folder is still this run's. Every rank takes part in ranks_agree, a
         # collective; rank 0 then writes the files while the others wait, so all leave together.
         steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
+        in_sync = distributed.ranks_agree(model) and (not ema or distributed.ranks_agree(ema.average))
         summary = logs.run_summary(task, val, progress, time.perf_counter() - started, {
             "epochs": cfg.epochs, "examples_per_second": sum(steady) / len(steady) if steady else math.nan,
             "lr": lr, "world_size": world_size, "device": str(device),
-            "ranks_in_sync": distributed.ranks_agree(model)})
+            "ranks_in_sync": in_sync})
         distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
     return summary
 

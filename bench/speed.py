@@ -223,7 +223,7 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
                 "graphed_steps_per_second": spread([v / batch for v in graphed])} if graphed else {})}
 
 
-def host_config(device: str, steps: int, out_dir: str) -> Config:
+def host_config(device: str, steps: int, out_dir: str, *flags: str) -> Config:
     """The host-bound emulation: resnet_small at width 1 on 8 px synthetic images, batch 8, one epoch
     of `steps` steps and one validation batch. It has resnet_small's layers and parameter tensors
     (29 parameters and 27 buffers, whatever the width), so every op and every Python line of a step
@@ -231,7 +231,7 @@ def host_config(device: str, steps: int, out_dir: str) -> Config:
     work bound the step (the first H200 run's bare loop: 5.5 ms a step, launch-bound)."""
     return parse_config(["--device", device, "--dataset", "synthetic", "--image-size", "8", "--channels", "1",
                          "--width", "1", "--batch-size", "8", "--synthetic-size", str(8 * steps),
-                         "--synthetic-val-size", "8", "--epochs", "1", "--out-dir", out_dir])
+                         "--synthetic-val-size", "8", "--epochs", "1", "--out-dir", out_dir, *flags])
 
 
 def cpu_seconds(run: Callable[[], object], device: torch.device) -> float:
@@ -269,16 +269,26 @@ def host_bare(device_name: str, device: torch.device, steps: int, out_dir: str) 
     return stepping_cpu(lambda: bare_steps(model, optimizer, amp_dtype, scaler, device, batches, loss))
 
 
-def host_train(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+def host_train(device_name: str, device: torch.device, steps: int, out_dir: str, *flags: str) -> float:
     """CPU seconds a step of a whole train.train run of `steps` steps on the emulation."""
     import train
 
     def run() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            summary = train.train(host_config(device_name, steps, out_dir))
+            summary = train.train(host_config(device_name, steps, out_dir, *flags))
         assert summary["steps"] == steps, summary["steps"]
 
     return stepping_cpu(run)
+
+
+def host_train_ema(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """host_train with --ema 0.999: the average's update after every step."""
+    return host_train(device_name, device, steps, out_dir, "--ema", "0.999")
+
+
+def host_train_beside_ema(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
+    """host_train, as host_train_ema's yardstick (timed in its own pairs)."""
+    return host_train(device_name, device, steps, out_dir)
 
 
 def host_bare_steps(device_name: str, device: torch.device, steps: int, out_dir: str) -> float:
@@ -317,13 +327,14 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
     alike, then an untimed short bare run: whichever run came right after an lr_find call ran ~5%
     slower on a 2-core VM.
     """
-    bare, trained, found, fresh = [], [], [], []
+    bare, trained, found, fresh, averaged = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
-        for run in (host_bare, host_train, host_lr_find, host_bare_steps):  # first use: imports, caches
+        for run in (host_bare, host_train, host_lr_find, host_bare_steps, host_train_ema):  # imports, caches
             run(device_name, device, 10, str(Path(tmp) / f"warm-{run.__name__}"))
         for r in range(repeats):
             seconds = collections.Counter()
-            for pair, n in (((host_bare, host_train), steps), ((host_lr_find, host_bare_steps), find_iters)):
+            for pair, n in (((host_bare, host_train), steps), ((host_lr_find, host_bare_steps), find_iters),
+                            ((host_train_ema, host_train_beside_ema), steps)):
                 for k in range(pairs):  # A B B A A B: drift within the repeat hits both alike
                     for run in pair if (r + k) % 2 == 0 else pair[::-1]:
                         seconds[run] += run(device_name, device, n, str(Path(tmp) / f"{r}-{run.__name__}"))
@@ -332,9 +343,11 @@ def measure_host_bound(device_name: str, device: torch.device, steps: int, repea
             trained.append(seconds[host_train] / pairs)
             found.append(seconds[host_lr_find] / find_iters / pairs)
             fresh.append(seconds[host_bare_steps] / find_iters / pairs)
+            averaged.append(seconds[host_train_ema] / seconds[host_train_beside_ema])
     us = 1e6
     return {"host_loop_vs_bare": spread([b / t for b, t in zip(bare, trained, strict=True)]),
             "host_lr_find_overhead": spread([f / b for f, b in zip(found, fresh, strict=True)]),
+            "host_ema_cost": spread(averaged),  # train.py --ema's CPU per step over without
             "bare_us_per_step": spread([v * us for v in bare]),
             "train_us_per_step": spread([v * us for v in trained]),
             "lr_find_us_per_step": spread([v * us for v in found]),
@@ -448,6 +461,7 @@ def table(result: dict) -> str:
           if graphs else []),
         row("host_loop_vs_bare", host["host_loop_vs_bare"], ".3f", TARGETS["host_loop_vs_bare"]),
         row("host_lr_find_overhead", host["host_lr_find_overhead"], ".3f", TARGETS["host_lr_find_overhead"]),
+        row("host_ema_cost", host["host_ema_cost"], ".3f", "train.py --ema 0.999 over without"),
         row("  bare loop CPU us/step", host["bare_us_per_step"], ",.0f"),
         row("  train.py CPU us/step", host["train_us_per_step"], ",.0f"),
         row(f"  lr_find CPU us/step ({host['find_iters']} iters)", host["lr_find_us_per_step"], ",.0f",
@@ -526,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr_find_overhead": loop["lr_find_overhead"]["median"],
         "host_loop_vs_bare": host["host_loop_vs_bare"]["median"],
         "host_lr_find_overhead": host["host_lr_find_overhead"]["median"],
+        "host_ema_cost": host["host_ema_cost"]["median"],  # train.py --ema's CPU per step over without
         # the default setup's optimizer steps per second: bare loop and train.py (images/s / batch)
         "steps_per_second": {"bare": loop["bare_steps_per_second"]["median"],
                              "train": loop["train_steps_per_second"]["median"],

@@ -111,6 +111,9 @@ class Config:
     weight_decay: float = setting(5e-4, "on weights, not on biases or normalization weights", limits=">= 0")
     label_smoothing: float = setting(0.0, "0: plain cross-entropy (classification)", limits="in [0, 1]")
     clip_grad: float = setting(0.0, "max gradient norm; 0 turns clipping off", limits=">= 0")
+    ema: float = setting(0.0, "keep an exponential moving average of the weights with this decay (0.999, "
+                         "say), which evaluation, best.pt, --evaluate and --predict use; 0: off",
+                         limits="in [0, 1)", keeps_lr=True)
     # schedule (counts in epochs here, converted to optimizer steps by schedules.py); lr_find's sweep
     # does not depend on any of them, so --lr auto compares none
     schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step",

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 
 RUN = ["--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8", "--width", "8",
        "--batch-size", "32", "--epochs", "3", "--device", "cpu", "--log-every", "2", "--num-workers", "0",
-       "--save-every", "3"]  # 24 optimizer steps; last.pt at 3, 6, ... and each epoch's end
+       "--save-every", "3", "--ema", "0.9"]  # 24 steps; last.pt at 3, 6, ... and each epoch's end; an average
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ELASTIC = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -80,7 +80,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(o
     assert_same_state(final_state(tmp_path / "last.pt"), one_node)
 
 
-def test_two_agents_on_loopback_train_as_one_node_of_two(one_node, tmp_path):
+def test_two_agents_on_loopback_train_as_one_node_of_two(one_node, tmp_path):  # (--ema: the same average)
     """`--nnodes 2` with c10d's rendezvous on 127.0.0.1: two torchrun agents of one process each, as two
     machines of one GPU would run, end with the weights of one agent's two processes."""
     with socket.socket() as free:

@@ -40,7 +40,7 @@ def final_state(path: Path) -> dict:
     """What a checkpoint holds that an interrupted run must reproduce (not its timings)."""
     ckpt = checkpoints.load_checkpoint(path)
     position = {k: ckpt["run"][k] for k in ("epoch", "batch", "step", "best", "start_loss")}
-    return {**{k: ckpt[k] for k in ("model", "optimizer", "scheduler", "scaler")}, **position}
+    return {**{k: ckpt[k] for k in ("model", "ema", "optimizer", "scheduler", "scaler")}, **position}
 
 
 def child_pids(pid: int) -> list[int]:

@@ -60,8 +60,9 @@ def train_reads_per_step(tmp_path, flags: list[str], device: str = "cpu") -> flo
     return per_step(run)
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-augment"], ["--amp", "bf16"], ["--loader", "dataloader"]],
-                         ids=["fp32", "no-augment", "bf16", "dataloader"])
+@pytest.mark.parametrize("flags", [[], ["--no-augment"], ["--amp", "bf16"], ["--loader", "dataloader"],
+                                   ["--ema", "0.99"]],
+                         ids=["fp32", "no-augment", "bf16", "dataloader", "ema"])
 def test_no_host_reads_between_log_points(tmp_path, flags):
     reads = train_reads_per_step(tmp_path, flags)
     print(f"train.py {' '.join(flags) or 'fp32'}: {reads:.3f} host reads per step")
