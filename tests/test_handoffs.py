@@ -264,4 +264,4 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
                     "final_div_factor", "find_start_lr", "find_end_lr", "find_iters", "find_method", "device",
                     "channels_last", "compile", "cuda_graphs", "seed", "out_dir", "log_every", "save_every",
                     "resume", "allow_more_epochs", "evaluate", "predict", "checkpoint", "top_k", "tta",
-                    "early_stop", "min_delta"}
+                    "early_stop", "min_delta", "ema"}
