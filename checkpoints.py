@@ -336,13 +336,14 @@ class NothingToDo(UserError):
 
 
 def check_same_data(ckpt: dict, path: Path, data: dict) -> None:
-    """A resume's data must give the epochs the checkpoint's schedule was built for: the same number
-    of training examples and batches per epoch, and the same classes (outputs)."""
+    """A resume's data must give the epochs the checkpoint's schedule was built for, and the splits that
+    choose best.pt and report the result: the same number of training, val and test examples, of batches
+    per epoch, and the same classes (outputs)."""
     saved = ckpt["data"]
     if saved == data:
         return
-    what = [f"{key.replace('_', ' ')} {saved.get(key)} -> {data[key]}" for key in ("train_size", "batches")
-            if saved.get(key) != data[key]]
+    what = [f"{key.replace('_', ' ')} {saved.get(key)} -> {data[key]}"
+            for key in ("train_size", "val_size", "test_size", "batches") if saved.get(key) != data[key]]
     if saved.get("names") != data["names"]:
         names = saved.get("names") or []
         what.append(f"{len(names)} -> {len(data['names'])} classes ({names[:6]} -> {data['names'][:6]})")

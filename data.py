@@ -33,11 +33,13 @@ DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at 
 
 @dataclass
 class Source:
-    """A dataset entry's splits, as (inputs [N, ...], targets [N, ...]) tensors or as Datasets for workers."""
+    """A dataset entry's splits, as (inputs [N, ...], targets [N, ...]) tensors or as Datasets for workers:
+    `val` chooses best.pt (and --early-stop), `test` is evaluated once, at the end, and chooses nothing."""
 
     train: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
     val: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
     names: list[str]  # one per model output: the class names, for classification
+    test: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset | None = None  # None: no test split
     pad: int = 0  # images: zero padding before the random crop (0: no crop)
     flip: bool = False  # images: left-right flips keep the labels
     stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
@@ -47,14 +49,17 @@ class Source:
 # ---------------------------------------------------------------- the datasets
 
 def digits(cfg: Config) -> Source:
-    """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image val split."""
+    """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image test split; val is
+    --val-fraction of the other 1437."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
     labels = torch.from_numpy(bunch.target).long()
-    val, train = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797)).split([360, 1437])
-    return Source((images[train], labels[train]), (images[val], labels[val]), list("0123456789"), pad=1)
+    test, rest = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797)).split([360, 1437])
+    train, val = (rest[at] for at in hold_out(labels[rest], cfg.val_fraction, "digits"))
+    return Source((images[train], labels[train]), (images[val], labels[val]), list("0123456789"), pad=1,
+                  test=(images[test], labels[test]))
 
 
 def synthetic(cfg: Config) -> Source:
@@ -68,12 +73,14 @@ def synthetic(cfg: Config) -> Source:
         noise = torch.randn(n, cfg.channels, size, size, generator=g) * 0.25
         return ((templates[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8), labels
 
-    train, val = draw(cfg.synthetic_size), draw(cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1))
-    return Source(train, val, [str(i) for i in range(cfg.num_classes)])
+    held = cfg.synthetic_val_size or max(cfg.synthetic_size // 4, 1)
+    train, val, test = draw(cfg.synthetic_size), draw(held), draw(held)  # test last: train and val stay
+    return Source(train, val, [str(i) for i in range(cfg.num_classes)], test=test)
 
 
 def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = False) -> Source:
-    """A torchvision dataset, downloaded into --data-dir the first time (under torchrun by rank 0 alone)."""
+    """A torchvision dataset, downloaded into --data-dir the first time (under torchrun by rank 0 alone).
+    Its official test split is the test split; val is --val-fraction of its training split."""
     import torchvision
 
     cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
@@ -92,63 +99,96 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
         if downloader:
             distributed.barrier()
     pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
-    pairs = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y) for x, y in pairs]
-    return Source(*pairs, list(splits[0].classes), pad=pad, flip=flip)
+    (images, labels), test = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)
+                              for x, y in pairs]
+    train, val = hold_out(labels, cfg.val_fraction, cfg.dataset)
+    return Source((images[train], labels[train]), (images[val], labels[val]), list(splits[0].classes),
+                  pad=pad, flip=flip, test=test)
 
 
 def image_folder(cfg: Config) -> Source:
-    """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout, each split read by _scan."""
-    root, splits = Path(cfg.data_dir), ("train", "val")
+    """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout, each split read by _scan;
+    a test/ beside them (optional) is the test split."""
+    root = Path(cfg.data_dir)
+    splits = ("train", "val", "test") if (root / "test").is_dir() else ("train", "val")
     layout = f"expected {_shown(root)}/train/<class>/*.png|jpg and {_shown(root)}/val/<class>/*"
     if missing := [root / split for split in splits if not (root / split).is_dir()]:
         raise UserError(f"imagefolder: {_shown(missing[0])} is missing; {layout}")
-    names, val_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
-    for split, found in zip(splits, (names, val_names), strict=True):
+    names, *held_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
+    for split, found in zip(splits, (names, *held_names), strict=True):
         if len(found) < 2:  # one level too high: train/ holds one folder that holds the classes
             raise UserError(f"imagefolder: {_shown(root / split)} holds {len(found)} class folder"
                             f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
                             "classifier needs two or more: point --data-dir at the folder that holds train/ "
                             "and val/ with one folder per class")
-    if names != val_names:
-        raise UserError(f"imagefolder: train classes {names} differ from val {val_names}")
+    for split, found in zip(splits[1:], held_names, strict=True):
+        if found != names:
+            raise UserError(f"imagefolder: train classes {names} differ from {split} {found}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
-    (train, notes), (val, val_notes) = (_scan(root / at, names, classes) for at in splits)
+    (train, notes), *held = (_scan(root / at, names, classes) for at in splits)
+    (val, val_notes), (test, test_notes) = held if len(held) == 2 else (held[0], (None, []))
     if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
         raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}"
                         f"{_skipped(notes)}; {layout}")
-    if not val:  # else its tally would divide by zero, after a whole epoch of training
-        raise UserError(f"imagefolder: {_shown(root / 'val')} holds no images{_skipped(val_notes)}; the "
-                        f"val split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, HEIC say, "
-                        "to JPEG)")
-    return _image_files(cfg, train, val, names, flip=True, notes=notes + val_notes)
+    for split, found, skipped in (("val", val, val_notes), ("test", test, test_notes)):
+        if found is not None and not found:  # else its tally would divide by zero, after all the training
+            raise UserError(f"imagefolder: {_shown(root / split)} holds no images{_skipped(skipped)}; the "
+                            f"{split} split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, "
+                            "HEIC say, to JPEG)")
+    return _image_files(cfg, (train, val, test), names, flip=True, notes=notes + val_notes + test_notes)
 
 
 def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
-    as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv."""
+    as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
+    --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
     train = _unique_rows(root, "train.csv", notes)
-    val = _unique_rows(root, "val.csv", notes) if (root / "val.csv").is_file() else []
-    if len(labels := sorted({label for _, label in train})) < 2:
-        raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({labels[0]!r}); a classifier needs "
+    val, test = (_unique_rows(root, name, notes) if (root / name).is_file() else None
+                 for name in ("val.csv", "test.csv"))
+    if len(names := sorted({label for _, label in train})) < 2:
+        raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
                         "two or more: give each row its class after the file (file,label)")
-    if not val:  # the split's own seed: the same val images whatever --seed says
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
-        held = set(order[:max(1, round(cfg.val_fraction * len(train)))])
-        if len(held) == len(train):
-            raise UserError(f"csv: {len(train)} rows are too few to hold out a --val-fraction of "
-                            f"{cfg.val_fraction}")
-        train, val = ([r for i, r in enumerate(train) if (i in held) == keep] for keep in (False, True))
-    if shared := sorted({os.path.normpath(f) for f, _ in train} & {os.path.normpath(f) for f, _ in val}):
-        shown = ", ".join(map(_shown, shared[:3]))  # only a val.csv can share files: the split cannot
-        notes.append(f"csv: val.csv lists {len(shared)} of train.csv's files too ({shown}): their val scores "
-                     "are no held-out measure; list each file in one of them")
-    names = sorted({label for _, label in train})
-    if unknown := sorted({label for _, label in val} - set(names)):
-        raise UserError(f"csv: val labels {unknown[:5]} are in no training row; each class needs some")
     index = {name: i for i, name in enumerate(names)}
-    train, val = ([(file, index[label]) for file, label in split] for split in (train, val))
-    return _image_files(cfg, train, val, names, flip=cfg.flip, notes=notes)
+    if val is None:  # held out by class, by the split's own seed: the same rows whatever --seed says
+        kept, held = hold_out(torch.tensor([index[label] for _, label in train]), cfg.val_fraction, "csv")
+        train, val = [train[i] for i in kept.tolist()], [train[i] for i in held.tolist()]
+    files = {split: {os.path.normpath(f) for f, _ in rows} for split, rows in
+             (("train.csv", train), ("val.csv", val), ("test.csv", test or []))}
+    for split, other in (("val.csv", "train.csv"), ("test.csv", "train.csv"), ("test.csv", "val.csv")):
+        if shared := sorted(files[split] & files[other]):  # a held-out split of train.csv shares none
+            shown = ", ".join(map(_shown, shared[:3]))
+            scores = split.removesuffix(".csv")
+            notes.append(f"csv: {split} lists {len(shared)} of {other}'s files too ({shown}): their {scores} "
+                         "scores are no held-out measure; list each file in one of them")
+    for split, rows in (("val", val), ("test", test or [])):
+        if unknown := sorted({label for _, label in rows} - set(names)):
+            raise UserError(f"csv: {split} labels {unknown[:5]} are in no training row; each class needs "
+                            "some")
+    held = [None if rows is None else [(file, index[label]) for file, label in rows] for rows in (val, test)]
+    return _image_files(cfg, ([(file, index[label]) for file, label in train], *held), names, flip=cfg.flip,
+                        notes=notes)
+
+
+def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training split's indices divided into train and val: round(`fraction` x N) examples held out, each
+    class's share in proportion to its size (stratified; the largest remainders round up), drawn with the
+    split's own seed: every run, --seed and process holds out the same ones."""
+    total = round(fraction * len(labels))
+    if not 0 < total < len(labels):
+        raise UserError(f"{dataset}: {len(labels)} training examples are too few to hold out a "
+                        f"--val-fraction of {fraction:g} ({'none' if total == 0 else 'all'} of them would "
+                        "be); change --val-fraction, or give the dataset a val split of its own")
+    classes, sizes = labels.unique(return_counts=True)
+    quotas = fraction * sizes.double()
+    shares = quotas.floor().long()
+    shares[torch.argsort(shares - quotas, stable=True)[:total - int(shares.sum())]] += 1
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    drawn = labels[order]  # each class's examples in the drawn order: its first `share` are held out
+    val = torch.cat([order[drawn == c][:share] for c, share in zip(classes, shares.tolist(), strict=True)])
+    kept = torch.ones(len(labels), dtype=torch.bool)
+    kept[val] = False
+    return kept.nonzero().squeeze(1), val.sort().values
 
 
 # The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
@@ -169,6 +209,7 @@ class DataInfo:
     class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
     train_size: int
     val_size: int
+    test_size: int | None  # None: the data has no test split
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
@@ -355,9 +396,10 @@ class Batches:
 
 
 def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1, *,
-                  targets: str = "classes") -> tuple[Batches, Batches, DataInfo]:
-    """Train and val batches of `cfg.dataset` on `device`, sharded for this rank, their targets read and
-    checked as the task takes them (`targets`: task.TARGETS; contract.py)."""
+                  targets: str = "classes") -> tuple[Batches, Batches, Batches | None, DataInfo]:
+    """Train, val and test batches of `cfg.dataset` on `device` (test: None where the data has no test
+    split), sharded for this rank, their targets read and checked as the task takes them (`targets`:
+    task.TARGETS; contract.py)."""
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
@@ -369,6 +411,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
     splits = {"train": source.train, "val": source.val}  # tensor targets converted in place
+    if source.test is not None:
+        splits["test"] = source.test
     spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
     image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
@@ -400,7 +444,8 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
     balanced = spec.class_ids if cfg.balance_classes else None
     train_batches = Batches(*sources[0], serving, train=True, image=image, targets=spec, class_ids=balanced)
-    val_batches = Batches(*sources[1], serving, train=False, image=image, targets=spec)
+    held = [Batches(*pair, serving, train=False, image=image, targets=spec) for pair in sources[1:]]
+    val_batches, test_batches = held[0], (held[1] if len(held) == 2 else None)
     if mode == "dataloader":
         check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(train_batches) == 0:
@@ -414,9 +459,10 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
                     input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
                     names=list(source.names), train_size=train_batches.num_examples,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
-                    val_size=val_batches.num_examples, loader=loader, images=images, notes=notes,
-                    reading=reading)
-    return train_batches, val_batches, info
+                    val_size=val_batches.num_examples,
+                    test_size=None if test_batches is None else test_batches.num_examples,
+                    loader=loader, images=images, notes=notes, reading=reading)
+    return train_batches, val_batches, test_batches, info
 
 
 def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
@@ -459,8 +505,8 @@ def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> Non
 def refuse_empty_splits(dataset: str, source: Source) -> None:
     """A split of no examples, refused at start-up: an empty val split trained a whole epoch, then its
     tally divided by zero; an empty training split failed at its first example."""
-    for split, examples in (("train", source.train), ("val", source.val)):
-        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+    for split, examples in (("train", source.train), ("val", source.val), ("test", source.test)):
+        if examples is not None and len(examples[0] if isinstance(examples, tuple) else examples) == 0:
             skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
             raise UserError(f"{dataset}: the {split} split holds no examples{skipped}; give it some (its "
                             "dataset entry in data.py, or the files in --data-dir)")
@@ -483,7 +529,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
-    source = _image_files(as_run, [(f, 0) for f in files], [], [], flip=False).train
+    source = _image_files(as_run, ([(f, 0) for f in files], [], None), [], flip=False).train
     serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
@@ -595,9 +641,11 @@ def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, st
     return rows
 
 
-def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bool, notes=()) -> Source:
-    """(path, class index) lists as a Source read by workers: each image resized, center-cropped and
-    made uint8 CHW, RGB or grayscale, normalized with ImageNet's statistics (their mean if gray)."""
+def _image_files(cfg: Config, splits: tuple[list, list, list | None], names: list[str], flip: bool,
+                 notes=()) -> Source:
+    """(path, class index) lists of the train, val and test splits (None: no test split) as a Source read
+    by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized with
+    ImageNet's statistics (their mean if gray)."""
     from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
@@ -608,8 +656,9 @@ def _image_files(cfg: Config, train: list, val: list, names: list[str], flip: bo
     transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])
     mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
-    return Source(_Files(train, transform, mode), _Files(val, transform, mode), names,
-                  pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes))
+    train, val, test = (None if items is None else _Files(items, transform, mode) for items in splits)
+    return Source(train, val, names, pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes),
+                  test=test)
 
 
 def _csv_rows(root: Path, name: str, labels: bool = True,

@@ -166,6 +166,13 @@ def sync_buffers(module: nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
+def share_from_rank0(module: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers to every rank: weights that rank 0 alone read from a file."""
+    if is_distributed():
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
 def ranks_agree(module: nn.Module) -> bool:
     """True when every rank holds bit-identical parameters and buffers (a DDP sanity check)."""
     if not is_distributed():

@@ -150,20 +150,23 @@ def quiet_tensorboard_thread() -> None:
 def announce(cfg: Config, task, info, moved: Path | None, say) -> None:
     """What this run's data is, said once at start-up, with what was checked and changed (`moved`: where
     an earlier run's TensorBoard logs went)."""
-    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val, inputs "
+    test = "" if info.test_size is None else f" / {info.test_size} test"
+    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs "
         f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
     moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
     for note in filter(None, [*info.notes, task.pictures_note(info.images), moved]):
         say(note)
 
 
-def log_evaluation(val, task, names: list[str], to_pixels, step: int, tensorboard: TensorBoard) -> None:
-    """An evaluation's metrics and pictures to TensorBoard, at the step where its epoch ended."""
+def log_evaluation(result, task, names: list[str], to_pixels, step: int, tensorboard: TensorBoard, *,
+                   split: str = "val") -> None:
+    """An evaluation's metrics and pictures to TensorBoard, as `split`/<name>, at the step where its epoch
+    ended (the test split's: the run's last step)."""
     for name in task.METRICS:
-        tensorboard.point(f"val/{name}", step, val.metrics[name])
+        tensorboard.point(f"{split}/{name}", step, result.metrics[name])
     tensorboard.write()
-    pictures = task.pictures(val, names, to_pixels)
-    tensorboard.images({f"val/{name}": picture for name, picture in pictures.items()}, step)
+    pictures = task.pictures(result, names, to_pixels)
+    tensorboard.images({f"{split}/{name}": picture for name, picture in pictures.items()}, step)
 
 
 # ---------------------------------------------------------------- summary.json and eval.json
@@ -174,11 +177,13 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
                  "the next part resumed from (time after a part's last save was lost)")
 
 
-def run_summary(task, val, progress, seconds: float, facts: dict) -> dict:
-    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran) and the best main
-    metric, then how the run went: `progress` (train.Progress) as it ended, this part's `seconds`, and
-    `facts` (epochs, examples_per_second, lr, world_size, device, ranks_in_sync)."""
+def run_summary(task, val, progress, seconds: float, facts: dict, *, test=None) -> dict:
+    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran), the best main
+    metric and best.pt's test metrics (test_<name>, where the data has a test split), then how the run
+    went: `progress` (train.Progress) as it ended, this part's `seconds`, and `facts` (epochs,
+    examples_per_second, lr, world_size, device, ranks_in_sync, the splits' sizes)."""
     metrics = {f"val_{name}": val.metrics[name] if val else math.nan for name in task.METRICS}
+    metrics |= {f"test_{name}": test.metrics[name] for name in task.METRICS} if test else {}
     best = math.nan if progress.best is None else progress.best
     cover = SECONDS_COVER if progress.part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}"
     facts = dict(facts)
@@ -194,15 +199,19 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
     out_dir, main = Path(cfg.out_dir), task.MAIN_METRIC
     pictures = task.pictures(val, names, None) if val else {}
     hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
-    tensorboard.finish({**hparams, "lr": summary["lr"]}, [f"val/{name}" for name in task.METRICS])
+    tested = f"test_{main}" in summary
+    splits = ("val", "test") if tested else ("val",)
+    curves = [f"{split}/{name}" for split in splits for name in task.METRICS]
+    tensorboard.finish({**hparams, "lr": summary["lr"]}, curves)
     for name in task.SAVED_PICTURES:
         if pictures.get(name) is not None:
             write_png_atomic(out_dir / f"{name}.png", pictures[name])
     write_json_atomic(out_dir / "summary.json", summary)
     total, parts = summary["total_seconds"], summary["parts"]
     early = f", stopped early after epoch {summary['epochs_run']}" if summary["stopped"] else ""
+    test = f", test {main} {task.show(main, summary[f'test_{main}'])} (best.pt)" if tested else ""
     print(f"done: val {main} {task.show(main, summary[f'val_{main}'])} (best "
-          f"{task.show(main, summary[f'best_val_{main}'])}) in {summary['seconds']:.1f}s"
+          f"{task.show(main, summary[f'best_val_{main}'])}){test} in {summary['seconds']:.1f}s"
           f"{f' ({total:.1f}s over {parts} parts)' if parts > 1 else ''}{early}; logs and checkpoints in "
           f"{out_dir}")
 
@@ -210,7 +219,8 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
 def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) -> None:
     """--evaluate's report (train.evaluate_checkpoint builds it): printed, and written as eval.json and
     eval_<picture>.png."""
-    print(f"{report['checkpoint']} on the {report['val_size']} {report['dataset']} validation examples: "
+    split = report["split"]
+    print(f"{report['checkpoint']} on the {report[f'{split}_size']} {report['dataset']} {split} examples: "
           f"{task.describe(val)}")
     for line in task.report(val):
         print(f"  {line}")

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
             claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
             device = distributed.pick_device(cfg.device)
             torch.manual_seed(cfg.seed)
-            batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
+            batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
             model = build_model(cfg, info.input_shape[0], len(info.names), device)
             print(*info.notes, check_model(model, batches, task, cfg, info), sep="\n")
             check_graphs(cfg, device, amp_dtype(device, cfg.amp), world_size)  # as train.py's next run would

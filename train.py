@@ -73,9 +73,12 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # Data, model, optimizer and schedule, built as lr_find.py builds them; the loss is the task's. The
     # data is checked against the task as it loads, and two examples go through the model (contract.py).
-    train_batches, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
+    # val chooses best.pt (and --early-stop); test, where the data has one, is run once at the end.
+    train_batches, val_batches, test_batches, info = build_loaders(cfg, device, rank, world_size,
+                                                                   targets=task.TARGETS)
     batches_per_epoch = len(train_batches)  # an optimizer step takes accum_steps of them
-    data = {"train_size": info.train_size, "batches": batches_per_epoch, "names": info.names}  # resume checks
+    data = {"train_size": info.train_size, "val_size": info.val_size, "test_size": info.test_size,
+            "batches": batches_per_epoch, "names": info.names}  # what a resume checks
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     info.notes.append(check_model(model, train_batches, task, cfg, info))
     amp_dtype, scaler = amp_setup(device, cfg.amp)
@@ -146,7 +149,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     losses, counts = [], []  # since the last log point, on the device: summed losses, their normalizers
     mid_step = False  # from a step's first forward to its optimizer step: its state is the step's, half done
     with (tensorboard, distributed.holding(out_dir), closing(train_batches), closing(val_batches),
-          distributed.SIGNALS.installed(), distributed.SIGNALS.in_mode("defer") as signals):
+          nullcontext() if test_batches is None else closing(test_batches), distributed.SIGNALS.installed(),
+          distributed.SIGNALS.in_mode("defer") as signals):
         try:
             for epoch in range(progress.epoch, cfg.epochs):
                 progress.epoch = epoch  # (evaluate() puts the model back in train mode)
@@ -274,14 +278,27 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             raise UserError(f"interrupted again by {err}: stopped at once at step {progress.step}; {left}",
                             128 + err.signum) from None
 
-        # Summary, while the folder is still this run's. Every rank takes part in ranks_agree, a
+        in_sync = distributed.ranks_agree(model) and (not ema or distributed.ranks_agree(ema.average))
+
+        # Test: best.pt's weights once through the test split, which chose nothing; rank 0 reads the
+        # file, every rank gets its weights (--ema: the average's, as evaluation used).
+        test = None
+        if test_batches is not None:
+            chosen = ema.average if ema else model
+            if rank == 0:
+                chosen.load_state_dict(models.weights_of(checkpoints.load_checkpoint(out_dir / "best.pt")))
+            distributed.share_from_rank0(chosen)
+            test = evaluate(ema.average if ema else runner, test_batches, task, cfg, info, device, amp_dtype)
+            logs.log_evaluation(test, task, info.names, test_batches.to_pixels, progress.step, tensorboard,
+                                split="test")
+
+        # Summary, while the folder is still this run's. Every rank took part in ranks_agree, a
         # collective; rank 0 then writes the files while the others wait, so all leave together.
         steady = epoch_rates[1:] or epoch_rates  # the first epoch pays for warm-up and compilation
-        in_sync = distributed.ranks_agree(model) and (not ema or distributed.ranks_agree(ema.average))
         summary = logs.run_summary(task, val, progress, time.perf_counter() - started, {
             "epochs": cfg.epochs, "examples_per_second": sum(steady) / len(steady) if steady else math.nan,
-            "lr": lr, "world_size": world_size, "device": str(device),
-            "ranks_in_sync": in_sync})
+            "lr": lr, "world_size": world_size, "device": str(device), "ranks_in_sync": in_sync,
+            "train_size": info.train_size, "val_size": info.val_size, "test_size": info.test_size}, test=test)
         distributed.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
     return summary
 
@@ -425,7 +442,7 @@ def diverged(what: str, lr: float, optimizer, progress: Progress, saved: Progres
 
 
 def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_task) -> dict:
-    """--evaluate PATH: the validation split once through a saved model; trains nothing. Writes
+    """--evaluate PATH: the --split (val or test) once through a saved model; trains nothing. Writes
     eval.json and the task's pictures next to the checkpoint (or into an --out-dir given here).
     `given`: the settings the command line gave (None: all of cfg's)."""
     given = cfg.to_dict() if given is None else given
@@ -438,20 +455,25 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
         print(edited)
     cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
     rank, world_size, device = distributed.setup(cfg.device)
-    _, val_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
+    _, val_batches, test_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
+    if cfg.split == "test" and test_batches is None:
+        raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ folder "
+                        "beside train/ and val/; csv: a test.csv); evaluate --split val")
+    batches = test_batches if cfg.split == "test" else val_batches
     if ours:
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
-    check_model(model, val_batches, task, cfg, info)
-    with closing(val_batches):  # its workers stop on the way out, as train() and predict()'s do
-        val = evaluate(model, val_batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
+    check_model(model, batches, task, cfg, info)
+    with closing(val_batches), nullcontext() if test_batches is None else closing(test_batches):
+        result = evaluate(model, batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset,
-              "val_size": info.val_size, **{f"val_{name}": val.metrics[name] for name in task.METRICS},
-              **val.details}
+    split = cfg.split
+    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": split,
+              f"{split}_size": batches.num_examples,
+              **{f"{split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
     if rank == 0:
-        logs.report_evaluation(task, val, report, task.pictures(val, info.names, None), out_dir)
+        logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
     return report
 
 

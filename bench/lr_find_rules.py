@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def setup(cfg: Config, device: torch.device):
     """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
     torch.manual_seed(cfg.seed)
-    batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
+    batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))

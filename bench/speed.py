@@ -109,7 +109,7 @@ def setup(cfg: Config, device: torch.device, lr: float | None = None):
     """Loaders, model, optimizer and AMP built exactly as train.py builds them, and the task's loss as a
     batch's mean (its sum over its normalizer), as a bare loop would write it."""
     torch.manual_seed(cfg.seed)
-    train_batches, _, info = build_loaders(cfg, device, targets=task.TARGETS)
+    train_batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
     amp_dtype, scaler = models.amp_setup(device, cfg.amp)

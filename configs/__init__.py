@@ -28,6 +28,7 @@ LOADERS = ("auto", "device", "dataloader")
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
 TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
+EVALUATED_SPLITS = ("val", "test")  # what --evaluate runs
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
 
@@ -76,11 +77,14 @@ class Config:
     num_classes: int = setting(10, "synthetic only; the other datasets know their classes", limits="> 0")
     channels: int = setting(3, "synthetic: channels generated; imagefolder and csv: 1 loads grayscale, 3 "
                             "RGB; the other datasets have their own", limits="> 0")
-    synthetic_size: int = setting(2048, "synthetic: training images (val: a quarter of it)", limits="> 0")
-    synthetic_val_size: int = setting(0, "synthetic: validation images; 0: a quarter of --synthetic-size",
-                                      limits=">= 0", may_change=True, keeps_lr=True)
-    val_fraction: float = setting(0.2, "csv without a val.csv: the share of train.csv's rows held out (a "
-                                  "fixed split)", limits="in (0, 1)")
+    synthetic_size: int = setting(2048, "synthetic: training images (val and test: a quarter of it each)",
+                                  limits="> 0")
+    synthetic_val_size: int = setting(0, "synthetic: val images, and as many test images; 0: a quarter of "
+                                      "--synthetic-size", limits=">= 0", keeps_lr=True)
+    val_fraction: float = setting(0.1, "the share of the training examples held out as the val split (a "
+                                  "fixed one, each class in proportion) where the data has none of its "
+                                  "own: digits, the torchvision sets, csv without a val.csv",
+                                  limits="in (0, 1)")
     loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
                           "worker processes; auto: device when the data fits (files: dataloader)",
                           choices=LOADERS, may_change=True, keeps_lr=True)
@@ -173,8 +177,10 @@ class Config:
     allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
                                       "schedules only: the others are shaped by the run's length)",
                                       may_change=True, keeps_lr=True)
-    evaluate: str = setting("", "a checkpoint: run the validation split once through it, print and write "
-                            "eval.json next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
+    evaluate: str = setting("", "a checkpoint: run the --split once through it, print and write eval.json "
+                            "next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
+    split: str = setting("val", "--evaluate: the split it runs, val or the test split (where the data has "
+                         "one)", choices=EVALUATED_SPLITS, may_change=True, keeps_lr=True)
     # --predict (how a saved model is run, like --evaluate: never taken from its checkpoint's config)
     predict: str = setting("", "an image, a folder (searched recursively) or a CSV (a header, then file "
                            "paths in its first column): predict each with --checkpoint, write "

@@ -49,7 +49,7 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
 # What --evaluate and --predict take from their command line; the model and data settings come from the
 # checkpoint. The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
-MODE_SETTINGS = ("evaluate", "predict", "checkpoint", "top_k", "tta")
+MODE_SETTINGS = ("evaluate", "split", "predict", "checkpoint", "top_k", "tta")
 
 
 def evaluated_config(cfg: Config, given: dict, saved) -> Config:

@@ -73,7 +73,7 @@ def test_train_windows_of_micro_batches_equal_one_batch_each(tmp_path, trained):
     """7 batches with accum 3: windows of 3, 3 and 1; each must step like one concatenated batch."""
     cfg, summary, ckpt, seen = trained(tmp_path, "--synthetic-size", "56", "--batch-size", "8",
                                        "--accum-steps", "3")
-    batches, _, info = build_loaders(cfg, CPU)
+    batches, _, _, info = build_loaders(cfg, CPU)
     assert len(batches) == 7
     model = bn_free_net(info.input_shape[0], len(info.names))
     model.load_state_dict(seen["initial"])

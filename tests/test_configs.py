@@ -151,7 +151,7 @@ def test_the_choices_are_read_where_they_are_defined():
     assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": configs.LOADERS,
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": schedules.SCHEDULES,
                        "find_method": ("auto", *lr_find.METHODS), "amp": configs.AMP_MODES,
-                       "tta": configs.TTA_MODES}
+                       "tta": configs.TTA_MODES, "split": configs.EVALUATED_SPLITS}
 
 def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):
     """A dataset or optimizer added to its dict is accepted, listed in --help, and nowhere else to add."""

@@ -65,7 +65,7 @@ def test_masks_follow_their_images_through_crops_and_flips(monkeypatch):
     masks = (pixels[:, 0] > 127).to(torch.uint8)  # uint8 ids: read as int64
     flags = use(monkeypatch, lambda: Source((pixels, masks), (pixels[:8], masks[:8]), ["dark", "bright"],
                                             pad=2, flip=True))
-    batches, _, info = build_loaders(parse_config([*flags, "--batch-size", "8", "--device", "cpu"]), CPU)
+    batches, _, _, info = build_loaders(parse_config([*flags, "--batch-size", "8", "--device", "cpu"]), CPU)
     assert "the per-pixel targets move with them" in " ".join(info.notes)
     flipped = padded = 0
     for epoch in range(2):
@@ -88,7 +88,7 @@ def test_a_crop_per_pixel_values_cannot_follow_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="per-pixel values have none that counts for nothing"):
         build_loaders(cfg, CPU, targets="values")
     cfg.augment = False
-    assert "images: no crop or flip (--no-augment)" in build_loaders(cfg, CPU, targets="values")[2].notes
+    assert "images: no crop or flip (--no-augment)" in build_loaders(cfg, CPU, targets="values")[3].notes
 
 
 def test_a_resize_per_pixel_targets_cannot_follow_is_refused(monkeypatch):
@@ -108,7 +108,7 @@ def test_a_resize_per_pixel_targets_cannot_follow_is_refused(monkeypatch):
     (["--dataset", "synthetic"], "images: no crop or flip (none for synthetic)"),
 ])
 def test_start_up_says_which_image_steps_apply(argv, said):
-    assert said in build_loaders(parse_config([*argv, "--device", "cpu"]), CPU)[2].notes
+    assert said in build_loaders(parse_config([*argv, "--device", "cpu"]), CPU)[3].notes
 
 
 def test_image_folders_say_that_they_flip(tmp_path):
@@ -118,7 +118,7 @@ def test_image_folders_say_that_they_flip(tmp_path):
         for name in ("a", "b"):
             save_png(tmp_path / split / name / "0.png", 8, len(name))
     notes = build_loaders(parse_config(["--dataset", "imagefolder", "--data-dir", str(tmp_path),
-                                        "--device", "cpu", "--batch-size", "2"]), CPU)[2].notes
+                                        "--device", "cpu", "--batch-size", "2"]), CPU)[3].notes
     assert any("random left-right flips (--no-flip where a mirror changes the class" in n for n in notes)
 
 
@@ -143,7 +143,7 @@ def test_one_value_per_example_is_read_as_a_column(monkeypatch, tmp_path):
     values = torch.rand(64)
     flags = use(monkeypatch, lambda: labelled(values, ["y"]))
     cfg = parse_config([*flags, *TINY, "--lr", "0.02", "--out-dir", str(tmp_path)])
-    batches, _, _ = build_loaders(cfg, CPU, targets="values")
+    batches, _, _, _ = build_loaders(cfg, CPU, targets="values")
     assert next(iter(batches))[1].shape == (16, 1)
     summary = train.train(cfg, None, regression)
     assert 0 < summary["val_loss"] < 1  # squared errors of values in [0, 1]
@@ -173,7 +173,7 @@ def test_uint8_labels_of_twenty_classes_score_right(monkeypatch, tmp_path):
     summary = train.train(cfg, None, TEMPLATE_TASK)
     model = train.build_model(cfg, 1, 20)
     model.load_state_dict(torch.load(tmp_path / "last.pt", weights_only=True)["model"])
-    _, val, _ = build_loaders(cfg, CPU)
+    _, val, _, _ = build_loaders(cfg, CPU)
     model.eval()
     with torch.no_grad():
         right = sum((model(x).argmax(1) == y).sum().item() for x, y in val)
@@ -271,11 +271,11 @@ def test_the_task_gets_the_class_counts_and_a_balanced_sampler(monkeypatch):
     labels = torch.where(torch.arange(400) % 10 < 7, 0, torch.arange(400) % 3)  # mostly class 0
     flags = use(monkeypatch, lambda: labelled(labels, ["a", "b", "c"]))
     cfg = parse_config([*flags, "--batch-size", "50", "--device", "cpu", "--balance-classes"])
-    batches, _, info = build_loaders(cfg, CPU)
+    batches, _, _, info = build_loaders(cfg, CPU)
     assert info.class_counts.tolist() == torch.bincount(labels[:300]).tolist()
     drawn = torch.cat([y for _, y in batches.epoch(0)])
     assert torch.bincount(drawn).min() > 0.25 * len(drawn)  # each class about a third, not 70% of one
-    again, _, _ = build_loaders(cfg, CPU)
+    again, _, _, _ = build_loaders(cfg, CPU)
     assert torch.equal(torch.cat([y for _, y in again.epoch(0)]), drawn)  # per (seed, epoch)
     assert not torch.equal(torch.cat([y for _, y in again.epoch(1)]), drawn)
 

@@ -28,13 +28,13 @@ def indexed_images(n: int = 44, size: int = 6):
 
 def test_device_path_equals_dataloader_path_without_augmentation():
     cfg = parse_config(["--dataset", "digits", "--no-augment", "--batch-size", "100"])
-    on_device, _, info = build_loaders(cfg, CPU)
+    on_device, _, _, info = build_loaders(cfg, CPU)
     cfg.loader, cfg.num_workers = "dataloader", 2
-    workers, _, info_workers = build_loaders(cfg, CPU)
+    workers, _, _, info_workers = build_loaders(cfg, CPU)
     assert "device" in info.loader and "DataLoader" in info_workers.loader
     for epoch in (0, 1):
         pairs = list(zip(on_device.epoch(epoch), workers.epoch(epoch), strict=True))
-        assert len(pairs) == len(on_device) == 1437 // 100
+        assert len(pairs) == len(on_device) == 1293 // 100
         for (xa, ya), (xb, yb) in pairs:
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
@@ -115,24 +115,26 @@ def test_augment_without_padding_or_flips_is_identity():
 
 
 @pytest.mark.parametrize("argv, shape, sizes, classes", [
-    (["--dataset", "digits"], (1, 8, 8), (1437, 360), 10),  # sklearn's 8x8 digits, our 360 val split
+    # sklearn's 8x8 digits: our 360 test images, and a tenth of each class of the other 1437 for val
+    (["--dataset", "digits"], (1, 8, 8), (1293, 144, 360), 10),
     (["--dataset", "synthetic", "--image-size", "12", "--channels", "2", "--num-classes", "7",
-      "--synthetic-size", "100"], (2, 12, 12), (100, 25), 7),
+      "--synthetic-size", "100"], (2, 12, 12), (100, 25, 25), 7),
     (["--dataset", "synthetic", "--synthetic-size", "64", "--synthetic-val-size", "300"], (3, 16, 16),
-     (64, 300), 10),
+     (64, 300, 300), 10),
 ], ids=["digits", "synthetic", "synthetic-val-size"])
 def test_loaders_report_shapes(argv, shape, sizes, classes):
     """Expected from the arguments (or the dataset's known size), never from `info` itself."""
     cfg = parse_config([*argv, "--batch-size", "16"])
-    train, val, info = build_loaders(cfg, CPU)
+    train, val, test, info = build_loaders(cfg, CPU)
     x, y = next(iter(train))
     assert x.dtype == torch.float32 and y.dtype == torch.long
     assert x.shape == (16, *shape) and y.shape == (16,)
     assert info.input_shape == shape and info.images
-    assert (info.train_size, info.val_size) == (train.num_examples, val.num_examples) == sizes
+    assert (info.train_size, info.val_size, info.test_size) == sizes
+    assert (train.num_examples, val.num_examples, test.num_examples) == sizes
     assert len(info.names) == classes and int(y.max()) < classes
-    assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16)
-    assert sum(len(t) for _, t in val.epoch(0)) == sizes[1]
+    assert len(train) == sizes[0] // 16 and len(val) == -(-sizes[1] // 16) and len(test) == -(-sizes[2] // 16)
+    assert [sum(len(t) for _, t in held.epoch(0)) for held in (val, test)] == list(sizes[1:])
 
 
 def test_a_larger_synthetic_val_set_leaves_the_training_data_alone():
@@ -155,7 +157,7 @@ def test_batches_with_workers_go_as_soon_as_they_are_dropped():
 
     cfg = parse_config(["--dataset", "synthetic", "--synthetic-size", "256", "--image-size", "8",
                         "--loader", "dataloader", "--num-workers", "2", "--batch-size", "16"])
-    train_batches, val_batches, _ = build_loaders(cfg, torch.device("cpu"))
+    train_batches, val_batches, _, _ = build_loaders(cfg, torch.device("cpu"))
     stream = train_batches.epoch(0)
     next(stream)
     workers, gone = list(train_batches._loader._iterator._workers), weakref.ref(train_batches)

@@ -55,6 +55,7 @@ MARKED = {
         "python train.py --config configs/cifar10.toml --epochs 20 --out-dir runs/c10-long": "downloads",
         "torchrun --standalone --nproc_per_node=4 train.py --config configs/cifar10.toml": "needs GPUs",
         "tensorboard --logdir runs": "runs until stopped",
+        "python -m bench.speed": "slow",
         "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
         "--rdzv-id=myrun train.py --config configs/cifar10.toml": "needs GPUs",
         "torchrun --standalone --nproc_per_node=4 --max-restarts=3 train.py --config configs/cifar10.toml "
@@ -127,14 +128,15 @@ def commands(page: str) -> list[tuple[str, str | None]]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A folder to run the pages' commands in, as a reader would from a fresh checkout: `my_images` as
-    the pages describe it (class folders under train/ and val/, here 8x8 digits) and the README's
+    the pages describe it (class folders under train/, val/ and test/, here 8x8 digits) and the README's
     TinyNet in MODELS."""
     folder = tmp_path_factory.mktemp("reader")
     digits = load_digits()
     count = {}
     for image, label in zip((digits.images * 255 / 16).astype("uint8"), digits.target, strict=True):
         count[label] = count.get(label, 0) + 1
-        split = "train" if count[label] <= 13 else "val" if count[label] <= 17 else None  # 130 to train
+        at = count[label]  # of each class: 13 to train, 4 to val, 3 to test
+        split = "train" if at <= 13 else "val" if at <= 17 else "test" if at <= 20 else None
         if split:
             (folder / "my_images" / split / str(label)).mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(folder / "my_images" / split / str(label) / f"{count[label]:03}.png")

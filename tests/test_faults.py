@@ -479,7 +479,7 @@ def test_real_command_lines(tmp_path, images):
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
-    assert "diverged at step 11" in diverging.stderr and not list((tmp_path / "a").glob("*.pt"))
+    assert "diverged at step 10" in diverging.stderr and not list((tmp_path / "a").glob("*.pt"))
     assert "bad.png (class folder 'dark')" in unreadable.stderr
 
 
@@ -564,7 +564,7 @@ def test_resume_flag_keeps_its_forms():
 def test_crop_and_flip_are_chosen_apart(dataset, argv, pad, flip, images):
     cfg = parse_config(["--dataset", dataset, "--data-dir", str(images), "--image-size", "8",
                         "--batch-size", "4", *argv])
-    batches, _, _ = build_loaders(cfg, torch.device("cpu"))
+    batches, _, _, _ = build_loaders(cfg, torch.device("cpu"))
     assert (batches.image.pad, batches.image.flip) == (pad, flip)
 
 
@@ -580,10 +580,10 @@ def test_the_divergence_guard_reads_the_device_only_at_log_points(tmp_path, monk
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     counts = {}
-    for batch_size in (128, 64):  # digits: 11 and 22 optimizer steps
+    for batch_size in (128, 64):  # digits: 10 and 20 optimizer steps
         reads.clear()
         summary = train.train(parse_config(["--epochs", "1", "--batch-size", str(batch_size), "--width",
                                             "4", "--log-every", "1000", "--device", "cpu",
                                             "--out-dir", str(tmp_path / str(batch_size))]))
         counts[summary["steps"]] = len(reads)
-    assert list(counts) == [11, 22] and counts[11] == counts[22], counts
+    assert list(counts) == [10, 20] and counts[10] == counts[20], counts

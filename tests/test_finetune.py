@@ -72,7 +72,7 @@ def test_pretrained_loads_the_local_weights_file_and_swaps_the_head(torch_home, 
             for k in range(4):
                 Image.new("RGB", (40, 30), (60 * k, 90, 200)).save(root / split / name / f"{k}.png")
     folder = ["--dataset", "imagefolder", "--data-dir", str(root), "--batch-size", "4"]
-    batches, _, info = build_loaders(parse_config([*folder, "--model", "squeezenet1_1", "--pretrained"]),
+    batches, _, _, info = build_loaders(parse_config([*folder, "--model", "squeezenet1_1", "--pretrained"]),
                                      torch.device("cpu"))
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
     assert info.input_shape[1:] == (224, 224) and next(iter(batches))[0].shape == (4, 3, 224, 224)

@@ -180,19 +180,19 @@ def check_dataloader_path(monkeypatch, device: str):
                 yield images, targets
 
     cfg = parse_config(["--dataset", "digits", "--batch-size", "256", "--device", device])
-    on_device, _, _ = data.build_loaders(cfg, torch.device(device))
+    on_device, _, _, _ = data.build_loaders(cfg, torch.device(device))
     monkeypatch.setattr(torch.utils.data, "DataLoader", Recording)
     cfg.loader = "dataloader"
-    workers, _, info = data.build_loaders(cfg, torch.device(device))
+    workers, _, _, info = data.build_loaders(cfg, torch.device(device))
     assert "DataLoader" in info.loader
     for epoch in (0, 1):
         pairs = list(zip(on_device.epoch(epoch), workers.epoch(epoch), strict=True))
-        assert len(pairs) == 1437 // 256
+        assert len(pairs) == 1293 // 256
         for (xa, ya), (xb, yb) in pairs:
             assert xb.device == xa.device and torch.equal(xa, xb) and torch.equal(ya, yb)
     assert len(made) == 1 and made[0].persistent_workers and made[0].num_workers == 2
     assert made[0].pin_memory == (torch.device(device).type == "cuda")
-    assert len(pinned) == 2 * (1437 // 256) and all(p == made[0].pin_memory for p in pinned)
+    assert len(pinned) == 2 * (1293 // 256) and all(p == made[0].pin_memory for p in pinned)
     made.clear()  # the class's closure holds `made`: a cycle, which would leave the workers to the collector
 
 
@@ -332,8 +332,10 @@ torchvision.datasets.CIFAR10 = FakeCIFAR10
 dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
 dist.barrier()  # both ranks reach the dataset at the same moment
 cfg = parse_config(["--dataset", "cifar10", "--data-dir", root])
-images, labels = data.torchvision_set("CIFAR10", cfg).train
-assert images.shape == (12, 3, 32, 32) and len(labels) == 12
+source = data.torchvision_set("CIFAR10", cfg)
+images, labels = source.train  # and one of the 12 held out for val; train=False is the test split
+assert images.shape == (11, 3, 32, 32) and len(labels) == 11 and len(source.val[1]) == 1
+assert source.test[0].shape == (12, 3, 32, 32)
 dist.destroy_process_group()
 '''
 

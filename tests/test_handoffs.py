@@ -213,8 +213,8 @@ def test_channels_applies_to_image_folders(tmp_path):
                 Image.fromarray(pixels).save(tmp_path / split / label / f"{k}.png")
     flags = ["--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size", "8", "--no-augment",
              "--batch-size", "4", "--num-workers", "0"]
-    gray, _, info = build_loaders(parse_config([*flags, "--channels", "1"]), torch.device("cpu"))
-    rgb, _, _ = build_loaders(parse_config(flags), torch.device("cpu"))
+    gray, _, _, info = build_loaders(parse_config([*flags, "--channels", "1"]), torch.device("cpu"))
+    rgb, _, _, _ = build_loaders(parse_config(flags), torch.device("cpu"))
     assert info.input_shape[0] == 1
     (x1, _), (x3, _) = next(gray.epoch(0)), next(rgb.epoch(0))
     assert x1.shape == (4, 1, 8, 8) and x3.shape == (4, 3, 8, 8)
@@ -264,4 +264,4 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
                     "final_div_factor", "find_start_lr", "find_end_lr", "find_iters", "find_method", "device",
                     "channels_last", "compile", "cuda_graphs", "seed", "out_dir", "log_every", "save_every",
                     "resume", "allow_more_epochs", "evaluate", "predict", "checkpoint", "top_k", "tta",
-                    "early_stop", "min_delta", "ema"}
+                    "early_stop", "min_delta", "ema", "split"}

@@ -55,7 +55,7 @@ def bare_loop(cfg) -> None:
     optimizer and AMP built as train.py builds them."""
     device, k = torch.device(cfg.device), cfg.accum_steps
     torch.manual_seed(cfg.seed)
-    batches, _, info = build_loaders(cfg, device)
+    batches, _, _, info = build_loaders(cfg, device)
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     optimizer = build_optimizer(model, cfg, float(cfg.lr))
     amp_dtype, scaler = amp_setup(device, cfg.amp)

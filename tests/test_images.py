@@ -38,7 +38,8 @@ def image_folder(root: Path, counts: dict[str, int]) -> Path:
 
 def load(root: Path, *extra: str):
     cfg = parse_config(["--dataset", "imagefolder", "--data-dir", str(root), *FLAGS, *extra])
-    return build_loaders(cfg, CPU)
+    train, val, _, info = build_loaders(cfg, CPU)
+    return train, val, info
 
 
 def listed(batches, root: Path) -> list[tuple[str, int]]:
@@ -249,7 +250,8 @@ def test_a_newline_in_a_class_name_keeps_each_message_on_one_line(tmp_path):
 # ---------------------------------------------------------------- csv files, read by the same reader
 
 def test_csv_reads_its_rows_with_a_val_csv_or_a_held_out_fraction(tmp_path):
-    """16-bit and GIF files through csv rows too; without val.csv, a fixed --val-fraction is held out."""
+    """16-bit and GIF files through csv rows too; without val.csv, a fixed --val-fraction of each class is
+    held out."""
     rows = ["file,label"]
     for k in range(6):
         Image.fromarray(np.full((8, 8), 257 * (20 + k), np.uint16)).save(tmp_path / f"{k}.png")
@@ -257,15 +259,16 @@ def test_csv_reads_its_rows_with_a_val_csv_or_a_held_out_fraction(tmp_path):
         rows += [f"{k}.png,dark", f" {k}.gif , light "]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
     flags = ["--dataset", "csv", "--data-dir", str(tmp_path), *FLAGS, "--channels", "1"]
-    train, val, info = build_loaders(parse_config([*flags, "--val-fraction", "0.25"]), CPU)
+    train, val, _, info = build_loaders(parse_config([*flags, "--val-fraction", "0.25"]), CPU)
     assert info.names == ["dark", "light"] and (info.train_size, info.val_size) == (9, 3)
+    assert sorted(label for _, label in val.source.items) == [0, 0, 1]  # by class: 1.5 of each, rounded
     every = [(tmp_path / f"{k}.{kind}", label) for k in range(6) for label, kind in enumerate(("png", "gif"))]
     assert sorted(map(str, train.source.items + val.source.items)) == sorted(map(str, every))
     assert {int(train.source[i][0].float().mean()) for i in range(9)} <= {20, 21, 22, 23, 24, 25, 200}
-    again = build_loaders(parse_config([*flags, "--val-fraction", "0.25"]), CPU)[1]
+    again = build_loaders(parse_config([*flags, "--val-fraction", "0.25", "--seed", "3"]), CPU)[1]
     assert again.source.items == val.source.items  # the split's own seed
     (tmp_path / "val.csv").write_text("file,label\n0.png,dark\n0.gif,light\n")
-    train, val, info = build_loaders(parse_config(flags), CPU)
+    train, val, _, info = build_loaders(parse_config(flags), CPU)
     assert (info.train_size, info.val_size) == (12, 2)
     assert [int(val.source[i][0].float().mean()) for i in range(2)] == [20, 200]
 

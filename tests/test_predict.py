@@ -54,10 +54,10 @@ def image_folder(root: Path, channels: int = 3, count: int = 6) -> Path:
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    """A two-epoch digits run, and its 360 val images written as 8x8 grayscale PNG files with their labels."""
+    """A two-epoch digits run, and its 360 test images as 8x8 grayscale PNG files with their labels."""
     out = tmp_path_factory.mktemp("digits")
     train.train(parse_config([*CPU, "--epochs", "2", "--width", "8", "--out-dir", str(out / "run")]))
-    images, labels = data.digits(Config()).val
+    images, labels = data.digits(Config()).test
     (out / "pngs").mkdir()
     for i, image in enumerate(images):
         Image.fromarray(image[0].numpy()).save(out / "pngs" / f"{i:03d}.png")
@@ -75,7 +75,7 @@ def folder_run(request, tmp_path_factory):
     return out / "run", root, request.param
 
 
-def test_a_digits_model_predicts_its_val_images_as_evaluate_scores_them(digits_run, monkeypatch, capsys):
+def test_a_digits_model_predicts_its_test_images_as_evaluate_scores_them(digits_run, monkeypatch, capsys):
     run, pngs, labels = digits_run
     (pngs / "notes.txt").write_text("not an image")  # skipped, and counted
     code, out, err = run_main(monkeypatch, capsys, "--predict", pngs, "--checkpoint", run / "best.pt", *CPU)
@@ -89,18 +89,18 @@ def test_a_digits_model_predicts_its_val_images_as_evaluate_scores_them(digits_r
                                     "1 skipped (not image files)")
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
-    # --evaluate's accuracy, to the image: each file gets the class evaluation gives its val image
-    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", *CPU)
+    # --evaluate's accuracy, to the image: each file gets the class evaluation gives its test image
+    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", "--split", "test", *CPU)
     assert code == 0, err
     right = sum(rows[f"{i:03d}.png"][0] == label for i, label in enumerate(labels))
-    assert right / 360 == json.loads((run / "eval.json").read_text())["val_acc"]
+    assert right / 360 == json.loads((run / "eval.json").read_text())["test_acc"]
     ckpt = torch.load(run / "best.pt", weights_only=True)
     cfg = resolve.evaluated_config(Config(evaluate=str(run / "best.pt")), {"device": "cpu"}, ckpt["config"])
-    _, val, info = data.build_loaders(cfg, torch.device("cpu"))
+    _, _, test, info = data.build_loaders(cfg, torch.device("cpu"))
     model = build_model(cfg, 1, 10).eval()
     load_weights(model, ckpt, 10, "test", new_head=False)
     with torch.no_grad():
-        chances = torch.cat([model(x) for x, _ in val.epoch(0)]).softmax(1)
+        chances = torch.cat([model(x) for x, _ in test.epoch(0)]).softmax(1)
     for i, row in enumerate(chances.tolist()):
         best = max(range(10), key=row.__getitem__)
         assert rows[f"{i:03d}.png"][:2] == [str(best), f"{row[best]:.6g}"], i

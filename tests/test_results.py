@@ -1,17 +1,19 @@
-"""Results you can publish (issue 33): early stopping on the task's main metric, and an exponential
-moving average of the weights (--ema) that evaluation, best.pt, --evaluate and --predict use."""
+"""Results you can publish (issue 33): val chooses, the test split reports once; early stopping on the
+task's main metric; an exponential moving average of the weights (--ema) that evaluation, best.pt,
+--evaluate, --predict and the test report use."""
 
 import json
 
 import pytest
 import torch
 from conftest import crash_at_step, run_main
-from test_faults import TINY
+from test_faults import TINY, save_png
+from test_images import FLAGS
 from test_resume import assert_same_state, final_state
 
 import task
 import train
-from configs import Config, parse_config, parse_given
+from configs import Config, UserError, parse_config, parse_given
 from data import build_loaders
 from models import build_model
 
@@ -31,6 +33,12 @@ def test_early_stop_ends_a_run_that_cannot_improve_and_says_so(tmp_path, monkeyp
     assert summary["epochs_run"] == 3 and "(--early-stop 2)" in summary["stopped"] and summary["steps"] == 12
     assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == 12
     assert torch.load(tmp_path / "best.pt", weights_only=True)["run"]["best"] == summary["best_val_acc"]
+    # the test split, once, through best.pt: what --evaluate --split test gives, to the bit
+    assert f"test acc {100 * summary['test_acc']:.2f}% (best.pt)" in out.splitlines()[-1]
+    code, _, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "best.pt", "--split", "test")
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert code == 0 and report["split"] == "test" and report["test_size"] == summary["test_size"] == 16, err
+    assert (report["test_acc"], report["test_loss"]) == (summary["test_acc"], summary["test_loss"])
     code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", tmp_path)
     assert code == 0 and "holds a run that stopped early at epoch 3" in out, err
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--out-dir", tmp_path)
@@ -62,7 +70,7 @@ def test_ema_resumes_bit_identical_and_is_what_evaluation_uses(tmp_path, monkeyp
     assert_same_state(straight["ema"], broken["ema"], "ema")
 
     cfg = parse_config(argv)
-    _, val_batches, info = build_loaders(cfg, CPU)
+    _, val_batches, _, info = build_loaders(cfg, CPU)
 
     def val_loss(weights: dict) -> float:
         model = build_model(cfg, info.input_shape[0], len(info.names))
@@ -75,3 +83,99 @@ def test_ema_resumes_bit_identical_and_is_what_evaluation_uses(tmp_path, monkeyp
     assert code == 0, err
     report = json.loads((tmp_path / "straight" / "eval.json").read_text())
     assert report["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    best = torch.load(tmp_path / "straight" / "best.pt", weights_only=True)
+    _, _, test_batches, _ = build_loaders(cfg, CPU)
+    model = build_model(cfg, info.input_shape[0], len(info.names))
+    model.load_state_dict(best["ema"])  # the test report is best.pt's average
+    test = train.evaluate(model, test_batches, task, cfg, info, CPU, None).metrics
+    assert test["loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- three splits
+
+def image_folder(root, counts: dict[str, int]) -> None:
+    """Two classes of 8 px PNG files, dark (a) and light (b), `counts[split]` of each in root/split."""
+    for split, count in counts.items():
+        for label, name in enumerate("ab"):
+            for k in range(count):
+                save_png(root / split / name / f"{k}.png", 8, k, base=40 + 150 * label)
+
+
+def splits_of(*argv: str):
+    """The (train, val, test) labels build_loaders serves for `argv`, in order."""
+    loaders = build_loaders(parse_config([*argv, "--device", "cpu"]), CPU)
+    return [torch.cat([y for _, y in batches.epoch(0)]) if batches else None for batches in loaders[1:3]], \
+        loaders[3]
+
+
+def test_digits_val_is_held_out_of_the_training_split_by_class_the_same_for_every_seed():
+    """digits: a fixed 360-image test split; val is --val-fraction of each class of the other 1437."""
+    from data import digits, hold_out
+
+    source = digits(parse_config([]))
+    (train_x, train_y), (val_x, val_y), (test_x, test_y) = source.train, source.val, source.test
+    assert (len(train_y), len(val_y), len(test_y)) == (1293, 144, 360) and len(train_y) + len(val_y) == 1437
+    rows = {tuple(x.flatten().tolist()) for x in torch.cat([train_x, val_x, test_x])}
+    assert len(rows) >= 1797 - 10  # no example in two splits (digits repeats a few images itself)
+    counts = [torch.bincount(y, minlength=10) for y in (val_y, torch.cat([train_y, val_y]))]
+    per_class = counts[0] / counts[1]
+    assert per_class.min() > 0.08 and per_class.max() < 0.12  # a tenth of each class, not of the whole
+    other = digits(parse_config(["--seed", "7"]))
+    assert torch.equal(other.val[1], val_y) and torch.equal(other.test[1], test_y)
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    kept, held = hold_out(labels, 0.5, "x")
+    assert held.tolist() == sorted(held.tolist()) and labels[held].tolist() == [0, 0, 1, 1, 1]
+    assert sorted(kept.tolist() + held.tolist()) == list(range(10))
+    with pytest.raises(UserError, match=r"x: 4 training examples are too few to hold out a --val-fraction "
+                                        r"of 0.1 \(none of them would be\)"):
+        hold_out(torch.tensor([0, 0, 1, 1]), 0.1, "x")
+
+
+def test_image_folders_and_csv_files_may_bring_a_test_split(tmp_path):
+    """imagefolder: a test/ beside train/ and val/; csv: a test.csv. Without them: no test split, and
+    --evaluate --split test says how to add one."""
+    root = tmp_path / "folder"
+    image_folder(root, {"train": 4, "val": 4, "test": 3})
+    (val, test), info = splits_of("--dataset", "imagefolder", "--data-dir", str(root), *FLAGS)
+    assert (info.train_size, info.val_size, info.test_size) == (8, 8, 6)
+    assert test.tolist() == [0, 0, 0, 1, 1, 1]
+    rows = [f"{split}/{name}/{k}.png,{name}" for split in ("train", "val", "test") for name in "ab"
+            for k in range(3)]
+    (root / "train.csv").write_text("file,label\n" + "\n".join(rows[:6]) + "\n")
+    (root / "test.csv").write_text("file,label\n" + "\n".join(rows[12:]) + "\n")
+    (_, test), info = splits_of("--dataset", "csv", "--data-dir", str(root), *FLAGS, "--val-fraction", "0.34")
+    assert (info.train_size, info.val_size, info.test_size) == (4, 2, 6)
+    assert test.tolist() == [0, 0, 0, 1, 1, 1]
+    (root / "test.csv").write_text("file,label\ntest/a/0.png,c\n")
+    with pytest.raises(UserError, match=r"csv: test labels \['c'\] are in no training row"):
+        splits_of("--dataset", "csv", "--data-dir", str(root), *FLAGS, "--val-fraction", "0.34")
+    (root / "test" / "c").mkdir()
+    with pytest.raises(UserError, match=r"imagefolder: train classes \['a', 'b'\] differ from test "
+                                        r"\['a', 'b', 'c'\]"):
+        splits_of("--dataset", "imagefolder", "--data-dir", str(root), *FLAGS)
+
+
+def test_evaluate_split_test_on_data_without_one_is_one_line(tmp_path, monkeypatch, capsys):
+    image_folder(tmp_path / "data", {"train": 4, "val": 4})
+    data = ["--dataset", "imagefolder", "--data-dir", tmp_path / "data", *FLAGS]
+    code, out, err = run_main(monkeypatch, capsys, *data, "--epochs", "1", "--out-dir", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and summary["test_size"] is None and "test_acc" not in summary, err
+    assert ", test acc" not in out.splitlines()[-1] and "val acc" in out.splitlines()[-1]
+    code, out, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "run" / "best.pt",
+                              "--split", "test")
+    assert code == 2 and err == ("error: --split test: imagefolder here has no test split (imagefolder: "
+                                 "a test/ folder beside train/ and val/; csv: a test.csv); evaluate "
+                                 "--split val\n")
+
+
+def test_a_resume_on_other_splits_is_refused(tmp_path, monkeypatch, capsys):
+    """The checkpoint records each split's size: a val split that changed under a run is refused."""
+    image_folder(tmp_path / "data", {"train": 4, "val": 4})
+    data = ["--dataset", "imagefolder", "--data-dir", tmp_path / "data", *FLAGS,
+            "--out-dir", tmp_path / "run"]
+    with crash_at_step(monkeypatch, 6):  # in epoch 2 of 4 steps each: last.pt holds epoch 1
+        run_main(monkeypatch, capsys, *data, "--epochs", "2")
+    save_png(tmp_path / "data" / "val" / "a" / "4.png", 8, 4)
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", tmp_path / "run")
+    assert code == 2 and "was trained on other data (val size 8 -> 9)" in err, err

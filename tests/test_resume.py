@@ -231,6 +231,12 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
     files = sorted(p.name for p in straight.iterdir())
     assert [f for f in files if f.startswith("events.out")].__len__() == 1
     assert [f for f in files if f.endswith(".pt")] == ["best.pt", "last.pt"]
+    # the test split through best.pt: rank 0 read it, both ranks ran their shards; one process agrees
+    evaluated = run_script("train.py", "--evaluate", str(straight / "best.pt"), "--split", "test")
+    report = json.loads((straight / "eval.json").read_text())
+    assert evaluated.returncode == 0 and report["test_size"] == summary["test_size"] == 64, evaluated.stderr
+    assert report["test_acc"] == summary["test_acc"]
+    assert report["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
 
     kill_after_first_save([*TRAIN, *DDP_RUN, "--out-dir", str(broken), "--save-every", "3"],
                           broken / "last.pt", env=DDP_ENV)
@@ -241,4 +247,5 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
     assert resumed_at(resumed.stdout) == saved_step
     again = json.loads((broken / "summary.json").read_text())
     assert again["ranks_in_sync"] is True and again["steps"] == summary["steps"]
+    assert again["test_acc"] == summary["test_acc"]
     assert_same_state(final_state(straight / "last.pt"), final_state(broken / "last.pt"))

@@ -44,14 +44,14 @@ def test_a_default_run_shows_its_inputs_its_confusion_and_its_worst_mistakes(tmp
     acc = events(tmp_path)
     images = {tag: acc.Images(tag) for tag in acc.Tags()["images"]}
     epoch_ends = [step for step, _ in read_scalars(tmp_path)["val/acc"]]
-    assert epoch_ends == [11, 22]
+    assert epoch_ends == [10, 20]
     assert [e.step for e in images["inputs"]] == [0]
     assert [e.step for e in images["val/confusion"]] == epoch_ends
     assert [e.step for e in images["val/most_confidently_wrong"]] == epoch_ends
 
     # The grid's first tile is the first training image exactly as the model received it: cropped
     # on the device, back in pixels, enlarged 8x from 8 px (nearest), gray as RGB.
-    train_batches, val_batches, info = build_loaders(cfg, torch.device("cpu"))
+    train_batches, val_batches, _, info = build_loaders(cfg, torch.device("cpu"))
     inputs, _ = next(iter(train_batches.epoch(0)))
     first = (train_batches.denormalize(inputs[:1]) * 255).round().to(torch.uint8)
     expected = first[0, 0].repeat_interleave(8, 0).repeat_interleave(8, 1)

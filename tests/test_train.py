@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_scalars
+from conftest import read_scalars, run_main
 
 import models
 import train
@@ -75,7 +75,9 @@ def write_idx(path, array: torch.Tensor, magic: int):
     path.write_bytes(header + array.numpy().tobytes())
 
 
-def test_mnist_from_tiny_idx_files(tmp_path):
+def test_mnist_from_tiny_idx_files(tmp_path, monkeypatch, capsys):
+    """torchvision's MNIST files (made here, offline): val is held out of the training images, the
+    official test split is run once through best.pt, and --evaluate --split test gives that number."""
     raw = tmp_path / "data" / "MNIST" / "raw"
     raw.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
@@ -88,8 +90,14 @@ def test_mnist_from_tiny_idx_files(tmp_path):
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels, 2049)
     out = tmp_path / "run"
     run_train(out, "--dataset", "mnist", "--data-dir", str(tmp_path / "data"), "--epochs", "1",
-              "--batch-size", "32", "--width", "8")
-    check_outputs(out)
+              "--batch-size", "8", "--width", "8")
+    summary, scalars = check_outputs(out)
+    assert summary["train_size"] + summary["val_size"] == 96 and summary["test_size"] == 32
+    assert 6 <= summary["val_size"] <= 14  # a tenth of each class's
+    assert scalars["test/acc"] == [(summary["steps"], pytest.approx(summary["test_acc"]))]
+    code, _, err = run_main(monkeypatch, capsys, "--evaluate", out / "best.pt", "--split", "test")
+    report = json.loads((out / "eval.json").read_text())
+    assert code == 0 and report["test_acc"] == summary["test_acc"] and report["test_size"] == 32, err
 
 
 LR = 0.05
