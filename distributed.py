@@ -156,11 +156,9 @@ def on_rank0(work: Callable, *args) -> None:
 
 
 def sync_buffers(module: nn.Module) -> None:
-    """Copy rank 0's buffers (BatchNorm statistics) to every rank.
-
-    DDP broadcasts buffers at the start of each forward, so after the last one every rank holds
-    statistics updated by its own shard; syncing before evaluation and saving removes that skew.
-    """
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank: DDP broadcasts buffers at the start of
+    each forward, so after the last one every rank holds statistics updated by its own shard; syncing
+    before evaluation and saving removes that skew."""
     if is_distributed():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)

@@ -50,28 +50,25 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             autocast_dtype: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None,
             device: torch.device | str | None = None, schedule: str = "onecycle", method: str | None = None,
             min_iter_before_stop: int = 10, progress: Callable[[int, float, float], None] | None = None,
-            batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-            val_loader: Iterable[Any] | None = None, step_mode: str = "exp",
-            optimizer_kind: str | None = None,
+            batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None, step_mode: str = "exp",
+            val_loader: Iterable[Any] | None = None, optimizer_kind: str | None = None,
             normalizer: Callable[[Any], torch.Tensor | float] | None = None) -> LRFindResult:
-    """Train with a growing lr and record the loss of every optimizer step.
-
-    Batches go to ``device`` whole (a BatchEncoding, or any object with a ``.to``, moves itself). The loss is
-    ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, else ``batch_loss( model,
-    batch)``, e.g. ``lambda model, batch: model(**batch).loss``. Step i of n sets ``start_lr * (end_lr /
-    start_lr) ** (i / (n - 1))`` (``step_mode="linear"``: a straight line) on the first group, the others
-    keeping their ratio; lists of rates give each group its own. With ``normalizer`` the loss is a batch's
-    sum and ``normalizer(batch)`` (on the device) what it is divided by: a step divides its ``accum_steps``
-    batches' sum once by their normalizers' sum, exact for weighted and masked means (class weights,
-    ignored pixels, padded tokens); without, each loss is a mean and a step averages them. With
-    ``val_loader`` a step's loss is its mean over it, in eval mode. The sweep stops at a non-finite loss,
-    or (from step ``min_iter_before_stop``) once the smoothed loss passes ``diverge`` x its best, or
-    ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x their lowest running median of five. All it
-    touched is put back, even on error: model, optimizer, scaler, RNGs, a DataLoader's generators, samplers
-    and workers (an iterator is used up). ``progress(i, lr, loss)`` sees each step. ``.suggestion`` serves
-    ``schedule`` (any name: family_of says which suggestion serves it) by DEFAULT_RULES for
-    ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step happened or no
-    weight moved."""
+    """Train with a growing lr and record the loss of every optimizer step. Batches go to ``device`` whole (a
+    BatchEncoding, or any object with a ``.to``, moves itself). The loss is ``loss_fn(model(inputs),
+    targets)`` for ``(inputs, targets)`` batches, else ``batch_loss(model, batch)``, e.g. ``lambda model,
+    batch: model(**batch).loss``. Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))``
+    (``step_mode="linear"``: a straight line) on the first group, the others keeping their ratio; lists of
+    rates give each group its own. With ``normalizer`` the loss is a batch's sum and ``normalizer(batch)`` (on
+    the device) what it is divided by: a step divides its ``accum_steps`` batches' sum once by their
+    normalizers' sum, exact for weighted and masked means (class weights, ignored pixels, padded tokens);
+    without, each loss is a mean and a step averages them. With ``val_loader`` a step's loss is its mean over
+    it, in eval mode. The sweep stops at a non-finite loss, or (from step ``min_iter_before_stop``) once the
+    smoothed loss passes ``diverge`` x its best, or ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x
+    their lowest running median of five. All it touched is put back, even on error: model, optimizer, scaler,
+    RNGs, a DataLoader's generators, samplers and workers (an iterator is used up). ``progress(i, lr, loss)``
+    sees each step. ``.suggestion`` serves ``schedule`` (any name: family_of says which suggestion serves it)
+    by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step
+    happened or no weight moved."""
     def whole(value: Any, low: int) -> bool:
         return isinstance(value, int) and value >= low
 
@@ -420,8 +417,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(result: LRFindResult, wrote: list, cfg, world_size: int) -> None:
-    """What python lr_find.py says once its files are written: the sweep, its suggestions, the next
-    command."""
+    """What python lr_find.py says once its files are written: the sweep, suggestions, next command."""
     from configs import command_line, exit_with_error
     from schedules import SCHEDULES
 

@@ -145,11 +145,9 @@ def fit_images(cfg: Config, channels: int, size: int, mean: torch.Tensor, std: t
 
 def build_model(cfg: Config, channels: int, num_outputs: int,
                 device: torch.device | str = "cpu") -> nn.Module:
-    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it.
-
-    A new run starts from --pretrained or --init-from weights; a resumed, evaluated or predicting one
-    gets every weight from its own checkpoint, so they are not loaded then.
-    """
+    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it. A new run
+    starts from --pretrained or --init-from weights; a resumed, evaluated or predicting one gets every
+    weight from its own checkpoint, so they are not loaded then."""
     starting = not (cfg.resume or cfg.evaluate or cfg.predict)
     model = _architecture(cfg, channels, num_outputs, pretrained=cfg.pretrained and starting)
     if cfg.init_from and starting:
@@ -301,16 +299,12 @@ OPTIMIZERS = {
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float,
                     fused: bool | None = None) -> torch.optim.Optimizer:
-    """OPTIMIZERS[cfg.optimizer], with no weight decay on biases and norm layers' weights.
-
-    Two param groups: decayed (matrices, conv kernels) and not (anything 1-D). `fused` None
-    decides by `fused_by_default`; True or False forces it (fused kernels exist on CPU too).
-    """
+    """OPTIMIZERS[cfg.optimizer], with no weight decay on biases and norm layers' weights: two param groups,
+    decayed (matrices, conv kernels) and not (anything 1-D). `fused` None decides by `fused_by_default`;
+    True or False forces it (fused kernels exist on CPU too)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if fused is None:
         fused = bool(params) and fused_by_default(cfg, params[0].device)
@@ -319,13 +313,11 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float,
 
 
 def fused_by_default(cfg: Config, device: torch.device) -> bool:
-    """Fused kernels on CUDA, except SGD with momentum where an fp16 GradScaler may skip steps.
-
-    A GradScaler skips a step whose gradients overflow, routinely the first ones at its initial
-    scale. Fused SGD creates its momentum buffers with empty_like for its first step's kernel to
-    fill, and the kernel returns early on that skip, so the next step reads uninitialised memory
-    (garbage weights); fused AdamW zero-initialises its state and undoes its step count.
-    """
+    """Fused kernels on CUDA, except SGD with momentum where an fp16 GradScaler may skip steps. A
+    GradScaler skips a step whose gradients overflow, routinely the first ones at its initial scale. Fused
+    SGD creates its momentum buffers with empty_like for its first step's kernel to fill, and the kernel
+    returns early on that skip, so the next step reads uninitialised memory (garbage weights); fused AdamW
+    zero-initialises its state and undoes its step count."""
     if device.type != "cuda":
         return False
     sgd_momentum = cfg.optimizer == "sgd" and cfg.momentum > 0
@@ -371,12 +363,10 @@ def amp_setup(device: torch.device, mode: str) -> tuple[torch.dtype | None, torc
 
 
 def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
-    """The autocast dtype `mode` means on `device`; None is off.
-
-    "auto" is off on CPU and MPS, where autocast rarely pays; bf16 or fp16 can still be forced.
-    On CUDA it is bf16 only where the GPU computes in it natively (Ampere and later): V100 and
-    T4 emulate bf16 slowly, which torch counts as supported unless including_emulation=False.
-    """
+    """The autocast dtype `mode` means on `device`; None is off. "auto" is off on CPU and MPS, where
+    autocast rarely pays; bf16 or fp16 can still be forced. On CUDA it is bf16 only where the GPU computes
+    in it natively (Ampere and later): V100 and T4 emulate bf16 slowly, which torch counts as supported
+    unless including_emulation=False."""
     if mode == "auto":
         if device.type != "cuda":
             return None

@@ -62,20 +62,10 @@ def epochs_to_steps(epochs: float, num_batches: int, accum_steps: int = 1) -> in
     return round(epochs * steps_per_epoch(num_batches, accum_steps))
 
 
-def _lr_factor(
-    step: int,
-    *,
-    kind: str,
-    total_steps: int,
-    warmup_steps: int,
-    step_size: int = 1,
-    gamma: float = 1.0,
-    min_lr_ratio: float = 0.0,
-) -> float:
-    """Multiplier of the base lr before optimizer step `step` (< total_steps: _Counted holds the
-    last one past the end). Module-level and bound with functools.partial so LambdaLR's state_dict
-    stays picklable.
-    """
+def _lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, step_size: int = 1,
+               gamma: float = 1.0, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr before optimizer step `step` (< total_steps: _Counted holds the last one
+    past the end). Module-level and bound with functools.partial so LambdaLR's state_dict stays picklable."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     k = step - warmup_steps
@@ -95,12 +85,10 @@ def _momentum(group: dict) -> float:
 
 
 class _Counted:
-    """What build_scheduler's schedules add to torch's LambdaLR and OneCycleLR.
-
-    Past total_steps they hold their last rate and warn once, instead of raising (OneCycleLR) or
-    running on silently. Loading a state sets the optimizer's rates (and onecycle's momentum) to
-    the saved step's, so the scheduler may be built before or after optimizer.load_state_dict().
-    """
+    """What build_scheduler's schedules add to torch's LambdaLR and OneCycleLR: past total_steps they hold
+    their last rate and warn once, instead of raising (OneCycleLR) or running on silently. Loading a state
+    sets the optimizer's rates (and onecycle's momentum) to the saved step's, so the scheduler may be built
+    before or after optimizer.load_state_dict()."""
 
     schedule: str
     total_steps: int
@@ -110,13 +98,10 @@ class _Counted:
         step = self.last_epoch
         if step > self.total_steps and not self._warned_past_end:
             self._warned_past_end = True
-            warnings.warn(
-                f"the {self.schedule} schedule was stepped past its total_steps ({self.total_steps}) and "
-                "holds its last rate; the usual cause is a second scheduler.step() per epoch beside the "
-                "one after each optimizer step (optimizer_step makes that one)",
-                UserWarning,
-                stacklevel=4,
-            )
+            warnings.warn(f"the {self.schedule} schedule was stepped past its total_steps "
+                          f"({self.total_steps}) and holds its last rate; the usual cause is a second "
+                          "scheduler.step() per epoch beside the one after each optimizer step "
+                          "(optimizer_step makes that one)", UserWarning, stacklevel=4)
         self.last_epoch = min(step, self.total_steps - 1)
         try:
             return super().get_lr()
@@ -151,12 +136,9 @@ class _OneCycleLR(_Counted, OneCycleLR):
 
 def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, options: dict) -> OneCycleLR:
     """torch's OneCycleLR with ``options`` (all of _OPTIONS["onecycle"]), validated up front and never
-    adding momentum.
-
-    Momentum is cycled only if every group already uses it (momentum > 0 or Adam-style betas):
-    it stays at the optimizer's own value m at the low-lr ends and dips to min(0.85, m) at the
-    peak, so it never exceeds what the user chose and plain SGD stays momentum-free.
-    """
+    adding momentum: it is cycled only if every group already uses it (momentum > 0 or Adam-style betas),
+    staying at the optimizer's own value m at the low-lr ends and dipping to min(0.85, m) at the peak, so
+    it never exceeds what the user chose and plain SGD stays momentum-free."""
     groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
     # Each group's own peak: its lr, or the one a onecycle schedule left in it (a loaded state).
     peaks = [float(group.get("max_lr", group["lr"])) for group in groups]
@@ -178,55 +160,37 @@ def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, options: dict)
     _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
     momenta = [_momentum(group) for group in groups]
     cycle = all(m > 0 for m in momenta)
-    return _OneCycleLR(
-        optimizer,
-        max_lr=lrs,
-        total_steps=total_steps,
-        pct_start=float(pct_start),
-        anneal_strategy=strategy,
-        cycle_momentum=cycle,
-        base_momentum=[min(0.85, m) for m in momenta] if cycle else 0.85,
-        max_momentum=momenta if cycle else 0.95,
-        div_factor=float(options["div_factor"]),
-        final_div_factor=float(options["final_div_factor"]),
-        three_phase=bool(options["three_phase"]),
-    )
+    return _OneCycleLR(optimizer, max_lr=lrs, total_steps=total_steps, pct_start=float(pct_start),
+                       anneal_strategy=strategy, cycle_momentum=cycle,
+                       base_momentum=[min(0.85, m) for m in momenta] if cycle else 0.85,
+                       max_momentum=momenta if cycle else 0.95, div_factor=float(options["div_factor"]),
+                       final_div_factor=float(options["final_div_factor"]),
+                       three_phase=bool(options["three_phase"]))
 
 
 def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
-    """pct_start moved off the one value that breaks torch's OneCycleLR at this run length.
-
-    When pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on
-    the step it starts and OneCycleLR divides by zero. A nudge of one part in 1e9 gives the limit
-    of torch's own curve: that one step runs at the initial lr (max_lr / div_factor) and the
-    anneal starts at the next. Any other value comes back unchanged, so every run that torch
-    handles keeps torch's curve exactly. (three_phase nudges down, to stay within its 0.5 cap.)
-    """
+    """pct_start moved off the one value that breaks torch's OneCycleLR at this run length: when
+    pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on the step it
+    starts and OneCycleLR divides by zero. A nudge of one part in 1e9 gives the limit of torch's own
+    curve: that one step runs at the initial lr (max_lr / div_factor) and the anneal starts at the next.
+    Any other value comes back unchanged, so every run that torch handles keeps torch's curve exactly.
+    (three_phase nudges down, to stay within its 0.5 cap.)"""
     if float(pct_start * total_steps) != 1:
         return pct_start
     return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    name: str,
-    total_steps: int,
-    *,
-    warmup_steps: int = 0,
-    **options: object,
-) -> LRScheduler:
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, *, warmup_steps: int = 0,
+                    **options: object) -> LRScheduler:
     """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
-
-    warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle,
-    whose warm phase is pct_start; warmup needs one. Options equal to None take their defaults
-    (_OPTIONS): step decays by gamma at 1/3 and 2/3 of the post-warmup span, cosine to
-    min_lr_ratio x base. onecycle's max_lr: a list sets each param group's peak; a number is the
-    first group's, the others keeping the ratio of their lrs to its lr (as lr_find sweeps them);
-    None: each group's lr. (A peak that a onecycle schedule already set in a group, as a loaded
-    optimizer state holds, stands for the group's lr.) Stepped past total_steps, a schedule
-    holds its last rate and warns once. To resume, load the optimizer's state before or after
-    building this scheduler, then the scheduler's: the rate is the saved one either way.
-    """
+    warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle, whose warm
+    phase is pct_start; warmup needs one. Options equal to None take their defaults (_OPTIONS): step decays
+    by gamma at 1/3 and 2/3 of the post-warmup span, cosine to min_lr_ratio x base. onecycle's max_lr: a
+    list sets each param group's peak; a number is the first group's, the others keeping the ratio of their
+    lrs to its lr (as lr_find sweeps them); None: each group's lr (or the peak a onecycle schedule already
+    set in it, as a loaded optimizer state holds). Stepped past total_steps, a schedule holds its last rate
+    and warns once. To resume, load the optimizer's state before or after building this scheduler, then
+    the scheduler's: the rate is the saved one either way."""
     _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
     _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
     ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
@@ -235,15 +199,10 @@ def build_scheduler(
     for key in options:
         _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
     options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
-    _require(
-        name != "warmup" or warmup_steps >= 1 or total_steps == 1,
-        "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant",
-    )
+    _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
+             "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
     if name == "onecycle":
-        _require(
-            warmup_steps == 0,
-            "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start",
-        )
+        _require(warmup_steps == 0, "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start")
         return _onecycle(optimizer, total_steps, options)
     if name == "step":
         if options["step_size"] is None:
@@ -254,9 +213,8 @@ def build_scheduler(
     if name == "cosine":
         ratio = options["min_lr_ratio"]
         _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
-    factor = functools.partial(
-        _lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps, **options
-    )
+    factor = functools.partial(_lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps,
+                               **options)
     return _LambdaLR(optimizer, factor, name, total_steps)
 
 
@@ -266,27 +224,18 @@ def build_scheduler(
 _scale_after_update: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    scheduler: LRScheduler | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    *,
-    clip_grad: float | None = None,
-    parameters: Iterable[torch.Tensor] | None = None,
-) -> bool:
-    """Step the optimizer, then the scheduler only if the optimizer really stepped.
-
-    An fp16 GradScaler skips steps whose gradients hold inf/nan, and a wrapper such as
-    accelerate's AcceleratedOptimizer skips silently between gradient syncs; advancing the
-    schedule anyway would run it ahead. A step counts when the torch optimizer inside any
-    wrappers (their `.optimizer`) ran its step and the wrapper does not report
-    `step_was_skipped`. While a wrapper's `gradient_state.sync_gradients` is False, the
-    half-accumulated gradients are neither unscaled nor clipped. Telling a skip costs at most one
-    read from the device per step, none without a scaler (bf16, fp32). clip_grad (None or 0 =
-    off) clips the global grad norm of `parameters` (default: all of the optimizer's), unscaled
-    first. Gradients are not zeroed: call optimizer.zero_grad(set_to_none=True) yourself.
-    Returns whether the optimizer stepped.
-    """
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None,
+                   scaler: torch.amp.GradScaler | None = None, *, clip_grad: float | None = None,
+                   parameters: Iterable[torch.Tensor] | None = None) -> bool:
+    """Step the optimizer, then the scheduler only if the optimizer really stepped; return whether it did.
+    An fp16 GradScaler skips steps whose gradients hold inf/nan, and a wrapper such as accelerate's
+    AcceleratedOptimizer skips silently between gradient syncs; advancing the schedule anyway would run it
+    ahead. A step counts when the torch optimizer inside any wrappers (their `.optimizer`) ran its step and
+    the wrapper does not report `step_was_skipped`. While a wrapper's `gradient_state.sync_gradients` is
+    False, the half-accumulated gradients are neither unscaled nor clipped. Telling a skip costs at most
+    one read from the device per step, none without a scaler (bf16, fp32). clip_grad (None or 0 = off)
+    clips the global grad norm of `parameters` (default: all of the optimizer's), unscaled first.
+    Gradients are not zeroed: call optimizer.zero_grad(set_to_none=True) yourself."""
     ok = clip_grad is None or (_is_real(clip_grad) and clip_grad >= 0)
     _check(ok, "clip_grad", "None or a number >= 0", clip_grad)
     if not getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True):
@@ -298,14 +247,13 @@ def optimizer_step(
     called: list[bool] = []
     hook = None if plain else _innermost(optimizer).register_step_post_hook(lambda *_: called.append(True))
     try:
+        if clip_grad:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
         if scaler is None:
-            if clip_grad:
-                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
             optimizer.step()
         else:
-            if clip_grad:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
             scaler.step(optimizer)
     finally:
         if hook is not None:
@@ -330,8 +278,8 @@ def optimizer_step(
 
 
 def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside wrappers that keep it in `.optimizer` (accelerate's
-    AcceleratedOptimizer and the like). lr_find.py has its own copy: each file works alone."""
+    """The torch optimizer inside wrappers that keep it in `.optimizer` (accelerate's AcceleratedOptimizer
+    and the like). lr_find.py has its own copy: each file works alone."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
@@ -382,9 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {key: getattr(args, key) for key in names if getattr(args, key) is not None}
     try:
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr, momentum=0.9)
-        scheduler = build_scheduler(
-            optimizer, args.schedule, args.total_steps, warmup_steps=args.warmup_steps, **options
-        )
+        scheduler = build_scheduler(optimizer, args.schedule, args.total_steps,
+                                    warmup_steps=args.warmup_steps, **options)
     except ValueError as exc:
         _fail(str(exc))
     lrs, momenta = [], []
