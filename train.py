@@ -278,6 +278,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             raise UserError(f"interrupted again by {err}: stopped at once at step {progress.step}; {left}",
                             128 + err.signum) from None
 
+        # Do the ranks' final weights agree? (a collective; asked before best.pt's replace them below)
         in_sync = distributed.ranks_agree(model) and (not ema or distributed.ranks_agree(ema.average))
 
         # Test: best.pt's weights once through the test split, which chose nothing; rank 0 reads the
