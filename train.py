@@ -108,6 +108,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     runner = runnable(model, cfg, device, amp_dtype, world_size, train_batches)
     ddp_model = runner if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
         runner, device_ids=[device.index] if device.type == "cuda" else None)
+    evaluated = ema.average if ema else runner  # --ema: the average is the model a run gives
 
     # Outputs: the resolved config and TensorBoard (rank 0), and what this run is, said once.
     distributed.on_rank0(checkpoints.write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
@@ -225,7 +226,6 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
                 examples = cfg.batch_size * (batches_per_epoch - first_batch)  # all processes'
                 epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
-                evaluated = ema.average if ema else runner  # --ema: the average is the model a run gives
                 val = evaluate(evaluated, val_batches, task, cfg, info, device, amp_dtype)
                 logs.log_evaluation(val, task, info.names, val_batches.to_pixels, progress.step, tensorboard)
                 unit = "img" if info.images else "examples"
@@ -289,7 +289,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             if rank == 0:
                 chosen.load_state_dict(models.weights_of(checkpoints.load_checkpoint(out_dir / "best.pt")))
             distributed.share_from_rank0(chosen)
-            test = evaluate(ema.average if ema else runner, test_batches, task, cfg, info, device, amp_dtype)
+            test = evaluate(evaluated, test_batches, task, cfg, info, device, amp_dtype)
             logs.log_evaluation(test, task, info.names, test_batches.to_pixels, progress.step, tensorboard,
                                 split="test")
 
