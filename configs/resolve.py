@@ -8,7 +8,6 @@ import hashlib
 import inspect
 import json
 import math
-import struct
 from dataclasses import fields
 from pathlib import Path
 
@@ -124,6 +123,8 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
     say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} ({what}, "
         f"rule {rule})")
+    from lr_find import PNG_SWEEP_KEY
+
     picture = path.with_name("lr_find.png")
     if picture.is_file() and "sweep" in record and png_text(picture).get(PNG_SWEEP_KEY) != record["sweep"]:
         say(f"lr auto: {picture} is not the picture of this sweep (a sweep stopped between writing the two, "
@@ -131,23 +132,15 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     return float(suggestion)
 
 
-PNG_SWEEP_KEY = "lr_find sweep"  # = lr_find.PNG_SWEEP_KEY (a copy: configs needs the standard library alone)
-
-
 def png_text(path: Path) -> dict[str, str]:
-    """A PNG file's tEXt chunks (keyword: text), read with the standard library; {} if it is no PNG."""
+    """A PNG file's text chunks (keyword: text); {} if it is no PNG or cannot be read."""
+    from PIL import Image
+
     try:
-        data = path.read_bytes()
-    except OSError:
+        with Image.open(path) as image:
+            return dict(getattr(image, "text", {}))
+    except (OSError, SyntaxError, ValueError):  # PIL's decoders raise these on a damaged file
         return {}
-    text, at = {}, 8
-    while data.startswith(b"\x89PNG\r\n\x1a\n") and at + 8 <= len(data):
-        size, kind = struct.unpack(">I4s", data[at:at + 8])
-        if kind == b"tEXt":
-            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
-            text[key.decode("latin-1")] = value.decode("latin-1")
-        at += 12 + size  # length, type, data, CRC
-    return text
 
 
 def task_identity(task) -> dict:
