@@ -320,22 +320,19 @@ def resuming(out_dir: Path, world_size: int) -> str:
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
     """The schedule in optimizer steps, from a config written in epochs."""
-    batches = batches_per_epoch
-    total = steps_per_epoch(batches, cfg.accum_steps) * cfg.epochs
-    options = {}
-    if cfg.schedule == "onecycle":
-        options = dict(pct_start=safe_pct_start(cfg.pct_start, total), div_factor=cfg.div_factor,
-                       final_div_factor=cfg.final_div_factor)
-    elif cfg.schedule == "step":
-        every = cfg.step_size or max(cfg.epochs / 3, 1)
-        options = dict(step_size=max(epochs_to_steps(every, batches, cfg.accum_steps), 1), gamma=cfg.gamma)
-    elif cfg.schedule == "cosine":
-        options = dict(min_lr_ratio=cfg.min_lr_ratio)
-    warmup = epochs_to_steps(cfg.warmup_epochs, batches, cfg.accum_steps)
+    def steps(epochs: float) -> int:
+        return epochs_to_steps(epochs, batches_per_epoch, cfg.accum_steps)
+
+    total, warmup = steps_per_epoch(batches_per_epoch, cfg.accum_steps) * cfg.epochs, steps(cfg.warmup_epochs)
     if warmup >= total:
         raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
                         "lower it")
-    if cfg.schedule != "onecycle":
+    options = {"onecycle": dict(pct_start=safe_pct_start(cfg.pct_start, total), div_factor=cfg.div_factor,
+                                final_div_factor=cfg.final_div_factor),
+               "step": dict(step_size=max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1),
+                            gamma=cfg.gamma),
+               "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}.get(cfg.schedule, {})
+    if cfg.schedule != "onecycle":  # its warm phase is pct_start
         options["warmup_steps"] = warmup
     try:
         return build_scheduler(optimizer, cfg.schedule, total, **options), total
