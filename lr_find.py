@@ -97,9 +97,8 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
     def window_losses(window: list) -> tuple[torch.Tensor | int, Iterator[torch.Tensor]]:
-        """The window's divisor (its normalizers' sum; without a normalizer, its number of batches), and
-        each batch's loss, lazily, so that one graph at a time is held: their sum over the divisor is the
-        window's mean."""
+        """The window's divisor (its normalizers' sum, else its number of batches) and each batch's loss,
+        lazily (one graph held at a time): their sum over the divisor is the window's mean."""
         window = [_to_device(batch, device) for batch in window]
         divisor = len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
 
@@ -144,11 +143,10 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer.step()
         return torch.stack([total if val_loader is None else val_loss(), total]).flatten()
 
-    taken = []
+    taken = []  # the optimizer steps taken, one item each (its step hook below)
     with contextlib.ExitStack() as undo:  # on the way out, even on error, undo puts all back: last kept first
         moved = _snapshot(model, optimizer, scaler, undo)
-        hook = _chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1))  # steps taken
-        undo.callback(hook.remove)
+        undo.enter_context(_chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1)))
         loader = _keep_loader(loader, undo)  # loader and val_loader may be one
         val_loader = None if val_loader is None else _keep_loader(val_loader, undo)
         # closed now, not when a traceback lets go: DataLoader workers stop here
@@ -530,8 +528,7 @@ def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFind
 
 
 def _served(result: LRFindResult, schedules: Iterable[str]) -> dict[str, list[str]]:
-    """The schedules each of the result's suggestions serves (family_of): of ``schedules``, onecycle and the
-    sweep's own."""
+    """The schedules each of the result's suggestions serves, as save_sweep says (family_of)."""
     names = dict.fromkeys([*schedules, "onecycle", result.schedule])
     return {family: [name for name in names if family_of(name) == family] for family in result.suggestions}
 
@@ -729,10 +726,9 @@ def _keep_attributes(obj: Any, undo: contextlib.ExitStack) -> None:
 
 
 def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
-    """What the sweep iterates for ``loader``; ``undo`` puts back what iterating it changes: the generators
-    its samplers draw from, its and their plain attributes. A DataLoader with persistent workers is swept
-    through a twin (_twin), so that its own workers come up as they would have. A dataset that is an
-    iterator: one warning."""
+    """What the sweep iterates for ``loader``, a _twin if it is a DataLoader with persistent workers; ``undo``
+    puts back what iterating it changes: the generators its samplers draw from, its and their plain
+    attributes. A dataset that is an iterator: one warning."""
     parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
     for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)]}.values():
         if hasattr(o, "__dict__"):
