@@ -37,7 +37,7 @@ SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps
 # the moving average lags, and can miss a blow-up that the raw losses show plainly.
 DIVERGED_RUN = 2
 PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
-_READ_LAG = {"cuda": 1}  # steps by which _Sweep.run reads losses late, by device type (0 if not here)
+_READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
                          "but the data or the model (nan or inf in the inputs or targets, or a layer that "
                          "makes them)")
@@ -97,9 +97,8 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
     def window_losses(window: list) -> tuple[torch.Tensor | int, Iterator[torch.Tensor]]:
-        """The window's divisor (its normalizers' sum; without a normalizer, its number of batches), and
-        each batch's loss, lazily, so that one graph at a time is held: their sum over the divisor is the
-        window's mean."""
+        """The window's divisor (its normalizers' sum, else its number of batches) and each batch's loss,
+        lazily (one graph held at a time): their sum over the divisor is the window's mean."""
         window = [_to_device(batch, device) for batch in window]
         divisor = len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
 
@@ -144,27 +143,27 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer.step()
         return torch.stack([total if val_loader is None else val_loss(), total]).flatten()
 
-    sweep, taken = _Sweep(smooth, diverge, min_iter_before_stop), []
+    taken = []  # the optimizer steps taken, one item each (its step hook below)
     with contextlib.ExitStack() as undo:  # on the way out, even on error, undo puts all back: last kept first
         moved = _snapshot(model, optimizer, scaler, undo)
-        hook = _chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1))  # steps taken
-        undo.callback(hook.remove)
+        undo.enter_context(_chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1)))
         loader = _keep_loader(loader, undo)  # loader and val_loader may be one
         val_loader = None if val_loader is None else _keep_loader(val_loader, undo)
         # closed now, not when a traceback lets go: DataLoader workers stop here
         batches = undo.enter_context(contextlib.closing(_cycle(loader)))
         model.train()
         with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
-            stop_reason = sweep.run(step, plan, device, progress)
+            stop_reason, losses, train_losses, smoothed = _sweep(
+                step, plan, device, progress, smooth, diverge, min_iter_before_stop)
         stuck = None if taken and moved() else (  # a sweep that never stepped says nothing
             f"the weights never changed in {len(taken)} steps (zero gradients, or steps skipped on the "
             "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
-        if sweep.losses and not math.isfinite(sweep.losses[0]):  # before any update: no rate is to blame
+        if losses and not math.isfinite(losses[0]):  # before any update: no rate is to blame
             stuck = FIRST_LOSS_NOT_FINITE
-    group_lrs = plan[: len(sweep.losses)]
-    return _result([rates[0] for rates in group_lrs], sweep.losses, schedule, method, kind, stuck,
-                   smoothed=sweep.smoothed, stop_reason=stop_reason, optimizer_kind_from=kind_from,
-                   group_lrs=group_lrs, train_losses=sweep.train_losses if val_loader is not None else None)
+    group_lrs = plan[: len(losses)]
+    return _result([rates[0] for rates in group_lrs], losses, schedule, method, kind, stuck,
+                   smoothed=smoothed, stop_reason=stop_reason, optimizer_kind_from=kind_from,
+                   group_lrs=group_lrs, train_losses=train_losses if val_loader is not None else None)
 
 
 def family_of(schedule: str) -> str:
@@ -529,8 +528,7 @@ def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFind
 
 
 def _served(result: LRFindResult, schedules: Iterable[str]) -> dict[str, list[str]]:
-    """The schedules each of the result's suggestions serves (family_of): of ``schedules``, onecycle and the
-    sweep's own."""
+    """The schedules each of the result's suggestions serves, as save_sweep says (family_of)."""
     names = dict.fromkeys([*schedules, "onecycle", result.schedule])
     return {family: [name for name in names if family_of(name) == family] for family in result.suggestions}
 
@@ -583,64 +581,50 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-@dataclass
-class _Sweep:
-    """A sweep's losses as it reads them, and what its stop rule keeps (lr_find's docstring says the rule)."""
+def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
+           progress: Callable[[int, float, float], None] | None, smooth: float, diverge: float,
+           min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
+    """``step(rates)`` for each row of ``plan`` until the stop rule (lr_find's docstring says it) fires: why
+    it ended, and per step read its loss, its training loss and the smoothed loss the rule reads."""
+    # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
+    # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
+    cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
+    rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
+    events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+    losses, train_losses, smoothed = [], [], []
+    average = 0.0  # the moving average, before its bias correction
+    floor = math.inf  # the lowest running median of five raw losses
+    high_run = 0  # raw losses in a row above diverge x floor
 
-    smooth: float
-    diverge: float
-    min_iter_before_stop: int
-    losses: list[float] = field(default_factory=list)
-    smoothed: list[float] = field(default_factory=list)
-    train_losses: list[float] = field(default_factory=list)
-    average: float = 0.0  # the moving average, before its bias correction
-    floor: float = math.inf  # the lowest running median of five raw losses
-    high_run: int = 0  # raw losses in a row above diverge x floor
+    def read(i: int) -> str | None:
+        """Record step i's losses; return why the sweep stops there, if it does."""
+        nonlocal average, floor, high_run
+        if cuda:
+            events[i % 2].synchronize()
+        loss, train_loss = rows[i].tolist()
+        if progress is not None:
+            progress(i, plan[i][0], loss)
+        losses.append(loss)
+        train_losses.append(train_loss)
+        if not math.isfinite(loss):
+            smoothed.append(math.nan)
+            return "non-finite loss"
+        average = smooth * average + (1 - smooth) * loss
+        smoothed.append(average / (1 - smooth ** (i + 1)))
+        best, recent = min(smoothed), sorted(losses[-5:])  # all finite: a non-finite one stops it
+        floor = min(floor, recent[len(recent) // 2])  # a running median barely lags
+        high_run = high_run + 1 if loss > diverge * floor else 0
+        blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
+        return "diverged" if i >= min_iter_before_stop and blown_up else None
 
-    def run(self, step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
-            progress: Callable[[int, float, float], None] | None) -> str:
-        """``step(rates)`` for each row of ``plan`` until the stop rule fires; why it ended."""
-        # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
-        # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
-        cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
-        rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
-        events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-
-        def read(i: int) -> str | None:
-            if cuda:
-                events[i % 2].synchronize()
-            loss, train_loss = rows[i].tolist()
-            if progress is not None:
-                progress(i, plan[i][0], loss)
-            return self.add(loss, train_loss)
-
-        for i, rates in enumerate(plan):
-            rows[i].copy_(step(rates), non_blocking=cuda)
+    for i in range(len(plan) + lag):  # step i, then read step i - lag
+        if i < len(plan):
+            rows[i].copy_(step(plan[i]), non_blocking=cuda)
             if cuda:
                 events[i % 2].record(torch.cuda.current_stream(device))
-            if i >= lag and (stop := read(i - lag)):
-                return stop
-        for i in range(len(plan) - lag, len(plan)):  # the steps still unread
-            if stop := read(i):
-                return stop
-        return "completed"
-
-    def add(self, loss: float, train_loss: float) -> str | None:
-        """Record the next step's losses; return why the sweep stops there, if it does."""
-        i = len(self.losses)
-        self.losses.append(loss)
-        self.train_losses.append(train_loss)
-        if not math.isfinite(loss):
-            self.smoothed.append(math.nan)
-            return "non-finite loss"
-        self.average = self.smooth * self.average + (1 - self.smooth) * loss
-        self.smoothed.append(self.average / (1 - self.smooth ** (i + 1)))
-        best, recent = min(self.smoothed), sorted(self.losses[-5:])  # all finite: a non-finite one stops it
-        self.floor = min(self.floor, recent[len(recent) // 2])  # a running median barely lags
-        self.high_run = self.high_run + 1 if loss > self.diverge * self.floor else 0
-        blown_up = ((best > 0 and self.smoothed[-1] > self.diverge * best)
-                    or (self.floor > 0 and self.high_run >= DIVERGED_RUN))
-        return "diverged" if i >= self.min_iter_before_stop and blown_up else None
+        if i >= lag and (stop := read(i - lag)):
+            return stop, losses, train_losses, smoothed
+    return "completed", losses, train_losses, smoothed
 
 
 # --- internals: snapshot and restore ----------------------------------------------------------
@@ -692,33 +676,33 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool) -> None:
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
               undo: contextlib.ExitStack) -> Callable[[], bool]:
     """Record all a sweep changes, for ``undo`` to put back; return what tells if a trainable weight moved."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    # All of the scaler too: its scale is created on first use, and must go back to "not created yet".
     copies = []  # (CPU buffer, tensor)
+    # The param groups' own dicts (their params lists left as they are), all of the scaler too: its scale is
+    # created on first use, and must go back to "not created yet".
+    groups = _Kept(optimizer.param_groups, [
+        _Kept(g, {k: v if k == "params" else _keep(v, copies) for k, v in g.items()})
+        for g in optimizer.param_groups])
     kept = _keep(({(module, name): t for module in model.modules() for name, t in
                    [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
-                  optimizer.state, groups, vars(scaler) if scaler is not None else {}), copies)
+                  optimizer.state, vars(scaler) if scaler is not None else {}), copies)
     weights = [k for k in kept[0].saved.values() if k.live.requires_grad]
-    modes, rng = [(m, m.training) for m in model.modules()], _capture_rng_state()
+    modes = [(m, m.training) for m in model.modules()]
     _copy(copies, wait=True)
 
     def restore() -> None:
-        tensors, _, groups, _ = _put_back(kept)
+        tensors = _put_back(kept)[0]
+        _put_back(groups)
         _copy([(tensor, buffer) for buffer, tensor in copies], wait=False)
         for (module, name), tensor in tensors.items():
             if getattr(module, name, None) is not tensor:  # the sweep re-bound it
                 setattr(module, name, tensor)
-        for group, saved in zip(optimizer.param_groups, groups, strict=True):
-            params = group["params"]
-            group.clear()
-            group.update(params=params, **saved)
-        _restore_rng_state(rng)
         for m, training in modes:
             m.training = training
         for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
             p.grad = None
 
     undo.callback(restore)
+    undo.callback(_restore_rng_state, _capture_rng_state())
     for o in _chain(optimizer):  # the optimizer and any it wraps: an LR scheduler's step flag, say
         _keep_attributes(o, undo)
     return lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
@@ -742,10 +726,9 @@ def _keep_attributes(obj: Any, undo: contextlib.ExitStack) -> None:
 
 
 def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
-    """What the sweep iterates for ``loader``; ``undo`` puts back what iterating it changes: the generators
-    its samplers draw from, its and their plain attributes. A DataLoader with persistent workers is swept
-    through a twin (_twin), so that its own workers come up as they would have. A dataset that is an
-    iterator: one warning."""
+    """What the sweep iterates for ``loader``, a _twin if it is a DataLoader with persistent workers; ``undo``
+    puts back what iterating it changes: the generators its samplers draw from, its and their plain
+    attributes. A dataset that is an iterator: one warning."""
     parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
     for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)]}.values():
         if hasattr(o, "__dict__"):
