@@ -386,8 +386,9 @@ def find_lr(cfg: Config, task, model, batches, info, amp_dtype) -> float:
         try:
             result, wrote = lr_find.sweep_setup(cfg, task, model, batches, info, batches_per_step=world_size)
             found = result.suggestion
+            picture = wrote[1] if isinstance(wrote[1], Path) else wrote[0]  # no matplotlib: no picture
             fix = "" if result.why_none == lr_find.FIRST_LOSS_NOT_FINITE else (
-                f"; look at {wrote[-1]}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "
+                f"; look at {picture}, widen --find-start-lr/--find-end-lr or raise --find-iters, or pass "
                 "--lr N")
             if found is None:
                 problem = f"the range test suggested no learning rate ({result.why_none}){fix}"

@@ -188,3 +188,22 @@ def test_a_known_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1
     assert "out of memory" in err and "lower --batch-size" in err
+
+
+def test_lr_find_without_a_suggestion_points_at_the_picture(monkeypatch, tmp_path):
+    """--lr find's line names lr_find.png, not the last thing the sweep wrote (without TensorBoard, a
+    note that it drew no TensorBoard image)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import train
+    from configs import UserError
+
+    wrote = [tmp_path / "lr_find.json", tmp_path / "lr_find.png",
+             "no TensorBoard image (pip install tensorboard)"]
+    result = SimpleNamespace(suggestion=None, why_none="the loss never decreases")
+    monkeypatch.setattr(lr_find, "sweep_setup", lambda *args, **kwargs: (result, wrote))
+    batches = SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(UserError, match=f"never decreases\\); look at {tmp_path / 'lr_find.png'}, widen"):
+        train.find_lr(parse_config([]), task, None, batches, None, None)
