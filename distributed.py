@@ -239,9 +239,8 @@ def holding(out_dir: Path):
 
 def release_all(only: Path | None = None) -> None:
     """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
-    for held in [h for h in _HELD if only is None or h[0] == only]:
-        _HELD.remove(held)
-        path, mine, created = held
+    for path, mine, created in [h for h in _HELD if only is None or h[0] == only]:
+        _HELD.remove((path, mine, created))
         with contextlib.suppress(OSError):
             if path.read_text() == mine:
                 path.unlink()
@@ -251,11 +250,10 @@ def release_all(only: Path | None = None) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # someone else's process: alive
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # someone else's process
     return True
 
 
