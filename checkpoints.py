@@ -33,17 +33,7 @@ from distributed import lock_out_dir, release_all
 def write_checkpoint(state: dict, path: str | Path) -> None:
     """Write atomically (a temporary file, fsync, os.replace): a crash or kill at any moment leaves either
     the old file or the new one, never a torn one; a failed write is one line (the module's docstring)."""
-
-    def write(file) -> None:
-        keeper = _ErrorKeeper(file)
-        try:
-            torch.save(state, keeper)
-        except RuntimeError:
-            if keeper.error is None:
-                raise
-            raise keeper.error from None
-
-    _write_atomic(Path(path), write, lambda: _tensor_bytes(state))
+    _write_atomic(Path(path), lambda file: torch.save(state, file), lambda: _tensor_bytes(state))
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -175,7 +165,11 @@ def _write_atomic(path: Path, write: Callable, size: Callable[[], int]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            write(f)
+            keeper = _ErrorKeeper(f)
+            try:
+                write(keeper)
+            except RuntimeError as err:  # torch.save's report of an OSError: the keeper kept the OSError
+                raise (keeper.error or err) from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -197,7 +191,7 @@ class _ErrorKeeper:
     """torch.save reports an OSError from write() as a RuntimeError without its errno; keep it."""
 
     def __init__(self, file):
-        self.file, self.error = file, None
+        self.file, self.flush, self.error = file, file.flush, None
 
     def write(self, data) -> int:
         try:
@@ -205,9 +199,6 @@ class _ErrorKeeper:
         except OSError as err:
             self.error = err
             raise
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 def _tensor_bytes(value) -> int:
@@ -278,13 +269,14 @@ def load_resume(cfg: Config, given: dict | None, task) -> tuple[dict, Path, Conf
                         "resume from another checkpoint")
     cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path)
     check_resumable(ckpt["config"], cfg)
+    # The run asked for is already complete: not an error (code 0), the scripts print it and exit 0.
     if run.get("stopped"):
-        raise NothingToDo(f"{path} holds a run that stopped early at epoch {run['epoch']} "
-                          f"({run['stopped']}): nothing to do, nothing changed; train longer with a new run")
+        raise UserError(f"{path} holds a run that stopped early at epoch {run['epoch']} ({run['stopped']}): "
+                        "nothing to do, nothing changed; train longer with a new run", code=0)
     if run["epoch"] >= cfg.epochs:
-        raise NothingToDo(f"{path} holds a complete run ({cfg.epochs} epochs, step {run['step']}): nothing "
-                          "to do, nothing changed; train longer with a new run (or --epochs N "
-                          "--allow-more-epochs for constant, warmup and step schedules)")
+        raise UserError(f"{path} holds a complete run ({cfg.epochs} epochs, step {run['step']}): nothing to "
+                        "do, nothing changed; train longer with a new run (or --epochs N --allow-more-epochs "
+                        "for constant, warmup and step schedules)", code=0)
     return ckpt, path, cfg
 
 
@@ -328,13 +320,6 @@ def check_classes(ckpt: dict, path: Path, names: list[str], fix: str) -> None:
                         f"here has {len(names)}: {names[:6]}; its outputs mean other classes: {fix}")
 
 
-class NothingToDo(UserError):
-    """Not an error: the run asked for is already complete. The scripts print it and exit 0."""
-
-    def __init__(self, message: str):
-        super().__init__(message, code=0)
-
-
 def check_same_data(ckpt: dict, path: Path, data: dict) -> None:
     """A resume's data must give the epochs the checkpoint's schedule was built for, and the splits that
     choose best.pt and report the result: the same number of training, val and test examples, of batches
@@ -376,36 +361,26 @@ def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
 
 
 def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
-    """Before any data is loaded: --out-dir can be written, holds no unfinished run that this one would
-    overwrite, and no other live run. This process then owns the folder (distributed.lock_out_dir) and
-    removes the temporary files that a save killed midway left there."""
+    """Before any data is loaded: --out-dir can be written, holds no unfinished run (whose last.pt --resume
+    would continue) that this one would overwrite, and no other live run. This process then owns the folder
+    (distributed.lock_out_dir) and removes the temporary files that a save killed midway left there."""
     check_writable_dir(out_dir)
     lock_out_dir(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
-    last = out_dir / "last.pt"
-    try:
-        if resumed_from is None or resumed_from.resolve() != last.resolve():
-            refuse_unfinished_run(last, resumed_from)
-    except UserError:
-        release_all(out_dir / ".lock")
-        raise
-    for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
-        if not tmp.name.endswith(f".{os.getpid()}.tmp"):
-            tmp.unlink(missing_ok=True)
-
-
-def refuse_unfinished_run(path: Path, resumed_from: Path | None = None) -> None:
-    """A run must not replace the last.pt of an unfinished run, which --resume would continue."""
-    try:
-        saved = load_checkpoint(path) if path.is_file() else {}
-    except UserError:
-        return  # unreadable, so there is nothing to continue
+    last, saved = out_dir / "last.pt", {}
+    if last.is_file() and (resumed_from is None or resumed_from.resolve() != last.resolve()):
+        with contextlib.suppress(UserError):  # unreadable, so there is nothing to continue
+            saved = load_checkpoint(last)
     step, total = saved.get("step", 0), saved.get("total_steps", 0)
     stopped = isinstance(saved.get("run"), dict) and saved["run"].get("stopped")  # --early-stop: finished
     if isinstance(step, int) and isinstance(total, int) and step < total and not stopped:
+        release_all(out_dir / ".lock")
         this = f"resuming {resumed_from} there" if resumed_from else "a new run"
-        raise UserError(f"{path} holds an unfinished run (step {step} of {total}) that {this} would "
-                        f"overwrite; continue it with --resume --out-dir {path.parent}, or pick another "
+        raise UserError(f"{last} holds an unfinished run (step {step} of {total}) that {this} would "
+                        f"overwrite; continue it with --resume --out-dir {out_dir}, or pick another "
                         "--out-dir, or delete the file to start over")
+    for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
+        if not tmp.name.endswith(f".{os.getpid()}.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
 def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -178,9 +178,7 @@ def ranks_agree(module: nn.Module) -> bool:
     flat = torch.cat([t.detach().reshape(-1).double() for t in module.state_dict().values()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
-    same = torch.tensor([float(torch.equal(flat, reference))], device=flat.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
+    return not any_rank(not torch.equal(flat, reference), flat.device)
 
 
 def cleanup() -> None:
@@ -239,9 +237,8 @@ def holding(out_dir: Path):
 
 def release_all(only: Path | None = None) -> None:
     """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
-    for held in [h for h in _HELD if only is None or h[0] == only]:
-        _HELD.remove(held)
-        path, mine, created = held
+    for path, mine, created in [h for h in _HELD if only is None or h[0] == only]:
+        _HELD.remove((path, mine, created))
         with contextlib.suppress(OSError):
             if path.read_text() == mine:
                 path.unlink()
@@ -251,11 +248,10 @@ def release_all(only: Path | None = None) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # someone else's process: alive
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # someone else's process
     return True
 
 
@@ -329,20 +325,19 @@ class Signals:
     NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
     def __init__(self):
-        self.received, self.mode, self.depth, self.previous = 0, "raise", 0, {}
+        self.received, self.mode, self.previous = 0, "raise", {}
 
     @contextlib.contextmanager
     def installed(self):
         """The handlers for the block (nested blocks share them); only the main thread can have any."""
-        if self.depth == 0 and threading.current_thread() is threading.main_thread():
+        outermost = not self.previous and threading.current_thread() is threading.main_thread()
+        if outermost:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
             atexit.register(_end_workers)  # run before multiprocessing's, which would wait for them
-        self.depth += 1
         try:
             yield self
         finally:
-            self.depth -= 1
-            if self.depth == 0:
+            if outermost:
                 for sig, handler in self.previous.items():
                     signal.signal(sig, handler)
                 self.previous, self.received, self.mode = {}, 0, "raise"

@@ -34,11 +34,32 @@ class TensorBoard:
     writer thread, ~5x the CPU a point (docs/speed.md). Pictures go through the writer."""
 
     def __init__(self, out_dir: Path, resumed_step: int | None, active: bool = True):
-        self.out_dir, self.writer, self.moved, self.points = out_dir, None, None, []  # moved: earlier logs
-        if active:
-            quiet_tensorboard_thread()
-            with self._errors():
-                self.writer, self.moved, self.event_file = summary_writer(out_dir, resumed_step)
+        """One run, one set of curves: a new run first moves an earlier run's event files into a subfolder
+        named after that run's start (`moved`), so the two do not draw over each other. A resumed run tells
+        TensorBoard to drop what the interrupted process logged after its checkpoint (purge_step), which it
+        logs again."""
+        self.out_dir, self.writer, self.moved, self.points = out_dir, None, None, []
+        if not active:
+            return
+        quiet_tensorboard_thread()
+        from torch.utils.tensorboard import SummaryWriter
+
+        with self._errors():
+            earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # ...tfevents.<unix time>.<host>...
+            if resumed_step is None and earlier:
+                stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
+                started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
+                self.moved, n = out_dir / started, 1
+                while self.moved.exists():
+                    n += 1
+                    self.moved = out_dir / f"{started}-{n}"
+                self.moved.mkdir()
+                for path in earlier:
+                    path.rename(self.moved / path.name)
+            suffix = f".{uuid.uuid4().hex[:8]}"  # names this writer's event file among the run's
+            purge = None if resumed_step is None else resumed_step + 1
+            self.writer = SummaryWriter(str(out_dir), purge_step=purge, filename_suffix=suffix)
+            self.event_file = next(out_dir.glob(f"events.out.tfevents.*{suffix}"))
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
@@ -98,33 +119,6 @@ class TensorBoard:
             self.writer.close()
 
 
-def summary_writer(out_dir: Path, resumed_step: int | None = None) -> tuple:
-    """TensorBoard's writer for a train.py run in out_dir (one run, one set of curves), the folder an
-    earlier run's logs were moved to (or None), and the writer's event file.
-
-    A new run first moves an earlier run's event files into a subfolder named after that run's
-    start, so the two do not draw over each other. A resumed run tells TensorBoard to drop what
-    the interrupted process logged after its checkpoint (purge_step), which it logs again.
-    """
-    from torch.utils.tensorboard import SummaryWriter
-
-    earlier, moved = sorted(out_dir.glob("events.out.tfevents.*")), None  # ...tfevents.<unix time>.<host>...
-    if resumed_step is None and earlier:
-        stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
-        started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
-        moved, n = out_dir / started, 1
-        while moved.exists():
-            n += 1
-            moved = out_dir / f"{started}-{n}"
-        moved.mkdir()
-        for path in earlier:
-            path.rename(moved / path.name)
-    suffix = f".{uuid.uuid4().hex[:8]}"  # names this writer's event file among the run's
-    purge = None if resumed_step is None else resumed_step + 1
-    writer = SummaryWriter(str(out_dir), purge_step=purge, filename_suffix=suffix)
-    return writer, moved, next(out_dir.glob(f"events.out.tfevents.*{suffix}"))
-
-
 def quiet_tensorboard_thread() -> None:
     """Keep Python from printing a traceback when TensorBoard's writer thread dies of an OSError.
 
@@ -136,9 +130,8 @@ def quiet_tensorboard_thread() -> None:
         return
 
     def hook(args) -> None:
-        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
-            return
-        previous(args)
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError)):
+            previous(args)
 
     hook.quiet_tensorboard = True
     threading.excepthook = hook
