@@ -56,10 +56,8 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
         checked.append(f"{len(targets)} {split}" if split in every else f"{split}'s first")
         if split == "train":
             dense = _is_dense(targets[0], image_size)
-    counts = ids = None
-    if kind == "classes" and "train" in every:
-        ids = every["train"]
-        counts = torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
+    ids = every.get("train") if kind == "classes" else None
+    counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     dtype = torch.int64 if kind == "classes" else torch.float32
     what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
@@ -118,12 +116,10 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
             raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
                             "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
         return targets.long()
-    if targets.ndim == 1 and outputs == 1:  # one number per example for a one-output model
-        targets = targets[:, None]
-    elif targets.ndim == 1:
+    if targets.ndim == 1 and outputs != 1:
         raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
                         f"Source), and the {split} targets are {list(targets.shape)}: one each")
-    return targets.float()
+    return (targets[:, None] if targets.ndim == 1 else targets).float()  # [N]: one output's, as [N, 1]
 
 
 def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:

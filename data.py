@@ -209,9 +209,9 @@ class DataInfo:
     class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
     train_size: int
     val_size: int
-    test_size: int | None  # None: the data has no test split
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
+    test_size: int | None = None  # None: the data has no test split
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
 
@@ -403,16 +403,21 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
-    refuse_empty_splits(cfg.dataset, source)
+    # the splits (tensor targets converted in place by check_splits), none empty: an empty val split trained
+    # a whole epoch, then its tally divided by zero; an empty training split failed at its first example
+    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
+                                                      ("test", source.test)) if examples is not None}
+    for split, examples in splits.items():
+        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
     files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
     shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
     needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
     if not images and needs.size:
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
-    splits = {"train": source.train, "val": source.val}  # tensor targets converted in place
-    if source.test is not None:
-        splits["test"] = source.test
     spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
     image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
@@ -438,31 +443,29 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
         needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
         mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
-    pairs = splits.values()
-    sources = ([[t.to(device) for t in split] for split in pairs] if mode == "device" else
-               [(split if files else torch.utils.data.TensorDataset(*split), None) for split in pairs])
     serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
     balanced = spec.class_ids if cfg.balance_classes else None
-    train_batches = Batches(*sources[0], serving, train=True, image=image, targets=spec, class_ids=balanced)
-    held = [Batches(*pair, serving, train=False, image=image, targets=spec) for pair in sources[1:]]
-    val_batches, test_batches = held[0], (held[1] if len(held) == 2 else None)
+    served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
+    for split, pair in splits.items():
+        held = ([t.to(device) for t in pair] if mode == "device" else
+                (pair if files else torch.utils.data.TensorDataset(*pair), None))
+        served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
+                                class_ids=balanced if split == "train" else None)
     if mode == "dataloader":
         check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
-    if len(train_batches) == 0:
+    if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
-                        f"set ({train_batches.num_examples}); lower --batch-size")
+                        f"set ({served['train'].num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
     reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
                          "std": image.std.tolist()}
     info = DataInfo(input_shape=(shape[0], resize, resize) if resize else shape,
                     input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
-                    names=list(source.names), train_size=train_batches.num_examples,
+                    names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
-                    val_size=val_batches.num_examples,
-                    test_size=None if test_batches is None else test_batches.num_examples,
-                    loader=loader, images=images, notes=notes, reading=reading)
-    return train_batches, val_batches, test_batches, info
+                    **{f"{split}_size": batches.num_examples for split, batches in served.items()})
+    return served["train"], served["val"], served.get("test"), info
 
 
 def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
@@ -500,16 +503,6 @@ def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> Non
         raise UserError(f"{said}; {fix}")
     if free < 2 * need:
         notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
-
-
-def refuse_empty_splits(dataset: str, source: Source) -> None:
-    """A split of no examples, refused at start-up: an empty val split trained a whole epoch, then its
-    tally divided by zero; an empty training split failed at its first example."""
-    for split, examples in (("train", source.train), ("val", source.val), ("test", source.test)):
-        if examples is not None and len(examples[0] if isinstance(examples, tuple) else examples) == 0:
-            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
-            raise UserError(f"{dataset}: the {split} split holds no examples{skipped}; give it some (its "
-                            "dataset entry in data.py, or the files in --data-dir)")
 
 
 def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.device) -> tuple:
