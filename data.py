@@ -125,17 +125,17 @@ def image_folder(cfg: Config) -> Source:
         if found != names:
             raise UserError(f"imagefolder: train classes {names} differ from {split} {found}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
-    (train, notes), *held = (_scan(root / at, names, classes) for at in splits)
-    (val, val_notes), (test, test_notes) = held if len(held) == 2 else (held[0], (None, []))
-    if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
-        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}"
-                        f"{_skipped(notes)}; {layout}")
-    for split, found, skipped in (("val", val, val_notes), ("test", test, test_notes)):
-        if found is not None and not found:  # else its tally would divide by zero, after all the training
+    scanned = {at: _scan(root / at, names, classes) for at in splits}  # each split's (items, its note)
+    if empty := sorted(set(names) - {names[label] for _, label in scanned["train"][0]}):
+        raise UserError(f"imagefolder: no training images for {empty}{_skipped(scanned['train'][1])}; "
+                        f"{layout}")
+    for split, (found, skipped) in scanned.items():  # train's: each class has some, as just checked
+        if not found:  # else its tally would divide by zero, after all the training
             raise UserError(f"imagefolder: {_shown(root / split)} holds no images{_skipped(skipped)}; the "
                             f"{split} split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, "
                             "HEIC say, to JPEG)")
-    return _image_files(cfg, (train, val, test), names, flip=True, notes=notes + val_notes + test_notes)
+    return _image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names, flip=True,
+                        notes=[note for _, said in scanned.values() for note in said])
 
 
 def csv_images(cfg: Config) -> Source:
@@ -143,31 +143,28 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
-    train = _unique_rows(root, "train.csv", notes)
-    val, test = (_unique_rows(root, name, notes) if (root / name).is_file() else None
-                 for name in ("val.csv", "test.csv"))
-    if len(names := sorted({label for _, label in train})) < 2:
+    rows = {split: _unique_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
+            if split == "train" or (root / f"{split}.csv").is_file()}
+    if len(names := sorted({label for _, label in rows["train"]})) < 2:
         raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
                         "two or more: give each row its class after the file (file,label)")
     index = {name: i for i, name in enumerate(names)}
-    if val is None:  # held out by class, by the split's own seed: the same rows whatever --seed says
-        kept, held = hold_out(torch.tensor([index[label] for _, label in train]), cfg.val_fraction, "csv")
-        train, val = [train[i] for i in kept.tolist()], [train[i] for i in held.tolist()]
-    files = {split: {os.path.normpath(f) for f, _ in rows} for split, rows in
-             (("train.csv", train), ("val.csv", val), ("test.csv", test or []))}
-    for split, other in (("val.csv", "train.csv"), ("test.csv", "train.csv"), ("test.csv", "val.csv")):
-        if shared := sorted(files[split] & files[other]):  # a held-out split of train.csv shares none
-            shown = ", ".join(map(_shown, shared[:3]))
-            scores = split.removesuffix(".csv")
-            notes.append(f"csv: {split} lists {len(shared)} of {other}'s files too ({shown}): their {scores} "
-                         "scores are no held-out measure; list each file in one of them")
-    for split, rows in (("val", val), ("test", test or [])):
-        if unknown := sorted({label for _, label in rows} - set(names)):
+    if "val" not in rows:  # held out by class, by the split's own seed: the same rows whatever --seed says
+        train = rows["train"]
+        held = hold_out(torch.tensor([index[label] for _, label in train]), cfg.val_fraction, "csv")
+        rows["train"], rows["val"] = ([train[i] for i in at.tolist()] for at in held)
+    for split in ("val", "test"):
+        if unknown := sorted({label for _, label in rows.get(split, [])} - set(names)):
             raise UserError(f"csv: {split} labels {unknown[:5]} are in no training row; each class needs "
                             "some")
-    held = [None if rows is None else [(file, index[label]) for file, label in rows] for rows in (val, test)]
-    return _image_files(cfg, ([(file, index[label]) for file, label in train], *held), names, flip=cfg.flip,
-                        notes=notes)
+    files = {split: {os.path.normpath(f) for f, _ in listed} for split, listed in rows.items()}
+    for split, other in (("val", "train"), ("test", "train"), ("test", "val")):  # val held out: none shared
+        if shared := sorted(files.get(split, set()) & files[other]):
+            notes.append(f"csv: {split}.csv lists {len(shared)} of {other}.csv's files too "
+                         f"({', '.join(map(_shown, shared[:3]))}): their {split} scores are no held-out "
+                         "measure; list each file in one of them")
+    return _image_files(cfg, {split: [(file, index[label]) for file, label in listed]
+                              for split, listed in rows.items()}, names, flip=cfg.flip, notes=notes)
 
 
 def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +183,8 @@ def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     drawn = labels[order]  # each class's examples in the drawn order: its first `share` are held out
     val = torch.cat([order[drawn == c][:share] for c, share in zip(classes, shares.tolist(), strict=True)])
-    kept = torch.ones(len(labels), dtype=torch.bool)
-    kept[val] = False
-    return kept.nonzero().squeeze(1), val.sort().values
+    every = torch.arange(len(labels))
+    return every[~torch.isin(every, val)], val.sort().values
 
 
 # The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
@@ -321,10 +317,9 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        if self.on_device:
-            return self._prepared(self.source[:n], self.labels[:n], None, 0)
-        items = [self.source[i] for i in range(min(n, self.num_examples))]
-        return self._prepared(*torch.utils.data.default_collate(items), None, 0)
+        batch = ((self.source[:n], self.labels[:n]) if self.on_device else
+                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
+        return self._prepared(*batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         stream = self._epoch(epoch, start)
@@ -348,25 +343,25 @@ class Batches:
             for i, (inputs, targets) in enumerate(raw, start):
                 window = slice(i * bs, i * bs + len(inputs))
                 crops = (offsets[window], flips[window]) if pad or flip else None
-                yield self._prepared(inputs, targets, crops, pad)
+                yield self._prepared(inputs, targets, crops)
         except Exception as err:  # the loader's frames in its traceback would keep its workers alive
             traceback.clear_frames(err.__traceback__)
             raise
         finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
             del raw
 
-    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops, pad: int):
-        """A batch on the device as the model and the task take it: images cropped and flipped by `crops`
-        ((offsets, flips); dense targets with them), then normalized."""
+    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops=None):
+        """A batch on the device as the model and the task take it: training images cropped and flipped by
+        `crops` ((offsets, flips); dense targets with them), then normalized."""
         inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
         if self.targets is not None:
             targets = as_taken(targets, self.targets)
         if self.image is None:
             return (inputs.float() if inputs.is_floating_point() else inputs), targets
         if crops is not None:
-            inputs = augment(inputs, *crops, pad)
+            inputs = augment(inputs, *crops, self.image.pad)
             if self.image.dense:
-                targets = augment(targets, *crops, pad, fill=IGNORE_INDEX)
+                targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
         return self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
@@ -522,7 +517,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
-    source = _image_files(as_run, ([(f, 0) for f in files], [], None), [], flip=False).train
+    source = _image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, [], flip=False).train
     serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
@@ -634,11 +629,10 @@ def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, st
     return rows
 
 
-def _image_files(cfg: Config, splits: tuple[list, list, list | None], names: list[str], flip: bool,
-                 notes=()) -> Source:
-    """(path, class index) lists of the train, val and test splits (None: no test split) as a Source read
-    by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized with
-    ImageNet's statistics (their mean if gray)."""
+def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: bool, notes=()) -> Source:
+    """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
+    read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
+    with ImageNet's statistics (their mean if gray)."""
     from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
@@ -649,9 +643,9 @@ def _image_files(cfg: Config, splits: tuple[list, list, list | None], names: lis
     transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])
     mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
-    train, val, test = (None if items is None else _Files(items, transform, mode) for items in splits)
-    return Source(train, val, names, pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes),
-                  test=test)
+    files = {split: _Files(items, transform, mode) for split, items in splits.items()}
+    return Source(files["train"], files["val"], names, pad=max(size // 8, 1), flip=flip, stats=stats,
+                  notes=list(notes), test=files.get("test"))
 
 
 def _csv_rows(root: Path, name: str, labels: bool = True,
