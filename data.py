@@ -101,9 +101,8 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
     (images, labels), test = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)
                               for x, y in pairs]
-    train, val = hold_out(labels, cfg.val_fraction, cfg.dataset)
-    return Source((images[train], labels[train]), (images[val], labels[val]), list(splits[0].classes),
-                  pad=pad, flip=flip, test=test)
+    train, val = ((images[at], labels[at]) for at in hold_out(labels, cfg.val_fraction, cfg.dataset))
+    return Source(train, val, list(splits[0].classes), pad=pad, flip=flip, test=test)
 
 
 def image_folder(cfg: Config) -> Source:
@@ -143,7 +142,7 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
-    rows = {split: _unique_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
+    rows = {split: _csv_rows(root, f"{split}.csv", notes=notes) for split in ("train", "val", "test")
             if split == "train" or (root / f"{split}.csv").is_file()}
     if len(names := sorted({label for _, label in rows["train"]})) < 2:
         raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
@@ -614,21 +613,6 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
-def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, str]]:
-    """root/name's rows, each file once: a repeated row is dropped (else a copy of a training row could
-    land in the held-out split), and said in `notes`; a file listed with two labels is refused."""
-    rows, labels = _csv_rows(root, name, notes=notes), {}
-    for file, label in rows:
-        if (known := labels.setdefault(os.path.normpath(file), label)) != label:
-            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({known!r} and "
-                            f"{label!r}); keep one row per file, with its class")
-    if repeats := len(rows) - len(labels):
-        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
-                     "label, each file is read once")
-        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
-    return rows
-
-
 def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: bool, notes=()) -> Source:
     """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
     read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
@@ -650,8 +634,10 @@ def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: b
 
 def _csv_rows(root: Path, name: str, labels: bool = True,
               notes: list[str] | None = None) -> list[tuple[Path, str | None]]:
-    """root/name's rows under its header: a file (relative to root), and with labels its label (next).
-    A first row that names a file under root is no header but data: kept, and said in `notes`."""
+    """root/name's rows under its header: a file (relative to root), and with labels its label (next), each
+    file once: a repeated row is dropped (else a copy of a training row could land in the held-out split),
+    and said in `notes`; a file listed with two labels is refused. A first row that names a file under root
+    is no header but data: kept, and said in `notes`."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
             records = list(csv.reader(f))
@@ -671,5 +657,16 @@ def _csv_rows(root: Path, name: str, labels: bool = True,
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
         what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
         raise UserError(f"csv: {_shown(root / name)} {what}")
+    if not labels:  # --predict's list: every row as it is
+        return rows
+    known = {}  # each file's label
+    for file, label in rows:
+        if (first := known.setdefault(os.path.normpath(file), label)) != label:
+            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({first!r} and "
+                            f"{label!r}); keep one row per file, with its class")
+    if repeats := len(rows) - len(known):
+        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
+                     "label, each file is read once")
+        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
     return rows
 
