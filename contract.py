@@ -54,12 +54,10 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             targets = _read_as(torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         _check_values(targets, kind, len(names), split)
         checked.append(f"{len(targets)} {split}" if split in every else f"{split}'s first")
-        if split == "train":
-            dense = _is_dense(targets[0], image_size)
-    counts = ids = None
-    if kind == "classes" and "train" in every:
-        ids = every["train"]
-        counts = torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
+        if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
+            dense = image_size is not None and tuple(targets[0].shape[-2:]) == tuple(image_size)
+    ids = every.get("train") if kind == "classes" else None
+    counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     dtype = torch.int64 if kind == "classes" else torch.float32
     what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
@@ -118,12 +116,10 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
             raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
                             "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
         return targets.long()
-    if targets.ndim == 1 and outputs == 1:  # one number per example for a one-output model
-        targets = targets[:, None]
-    elif targets.ndim == 1:
+    if targets.ndim == 1 and outputs != 1:
         raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
                         f"Source), and the {split} targets are {list(targets.shape)}: one each")
-    return targets.float()
+    return (targets[:, None] if targets.ndim == 1 else targets).float()  # [N]: one output's, as [N, 1]
 
 
 def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -149,11 +145,6 @@ def _check_values(targets: torch.Tensor, kind: str, classes: int, split: str) ->
                     else "; one name per class in the dataset's Source, ids counted from 0")
             raise UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
                             f"{' and more' if len(values) > SHOWN else ''}{hint}")
-
-
-def _is_dense(sample: torch.Tensor, image_size: tuple | None) -> bool:
-    """One target per pixel: its last two dimensions are the image's height and width."""
-    return image_size is not None and sample.ndim >= 2 and tuple(sample.shape[-2:]) == tuple(image_size)
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -101,9 +101,8 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
     (images, labels), test = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)
                               for x, y in pairs]
-    train, val = hold_out(labels, cfg.val_fraction, cfg.dataset)
-    return Source((images[train], labels[train]), (images[val], labels[val]), list(splits[0].classes),
-                  pad=pad, flip=flip, test=test)
+    train, val = ((images[at], labels[at]) for at in hold_out(labels, cfg.val_fraction, cfg.dataset))
+    return Source(train, val, list(splits[0].classes), pad=pad, flip=flip, test=test)
 
 
 def image_folder(cfg: Config) -> Source:
@@ -125,17 +124,17 @@ def image_folder(cfg: Config) -> Source:
         if found != names:
             raise UserError(f"imagefolder: train classes {names} differ from {split} {found}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
-    (train, notes), *held = (_scan(root / at, names, classes) for at in splits)
-    (val, val_notes), (test, test_notes) = held if len(held) == 2 else (held[0], (None, []))
-    if not names or (empty := sorted(set(names) - {names[label] for _, label in train})):
-        raise UserError(f"imagefolder: no training images for {empty if names else 'any class'}"
-                        f"{_skipped(notes)}; {layout}")
-    for split, found, skipped in (("val", val, val_notes), ("test", test, test_notes)):
-        if found is not None and not found:  # else its tally would divide by zero, after all the training
+    scanned = {at: _scan(root / at, names, classes) for at in splits}  # each split's (items, its note)
+    if empty := sorted(set(names) - {names[label] for _, label in scanned["train"][0]}):
+        raise UserError(f"imagefolder: no training images for {empty}{_skipped(scanned['train'][1])}; "
+                        f"{layout}")
+    for split, (found, skipped) in scanned.items():  # train's: each class has some, as just checked
+        if not found:  # else its tally would divide by zero, after all the training
             raise UserError(f"imagefolder: {_shown(root / split)} holds no images{_skipped(skipped)}; the "
                             f"{split} split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, "
                             "HEIC say, to JPEG)")
-    return _image_files(cfg, (train, val, test), names, flip=True, notes=notes + val_notes + test_notes)
+    return _image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names, flip=True,
+                        notes=[note for _, said in scanned.values() for note in said])
 
 
 def csv_images(cfg: Config) -> Source:
@@ -143,31 +142,28 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
-    train = _unique_rows(root, "train.csv", notes)
-    val, test = (_unique_rows(root, name, notes) if (root / name).is_file() else None
-                 for name in ("val.csv", "test.csv"))
-    if len(names := sorted({label for _, label in train})) < 2:
+    rows = {split: _csv_rows(root, f"{split}.csv", notes=notes) for split in ("train", "val", "test")
+            if split == "train" or (root / f"{split}.csv").is_file()}
+    if len(names := sorted({label for _, label in rows["train"]})) < 2:
         raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
                         "two or more: give each row its class after the file (file,label)")
     index = {name: i for i, name in enumerate(names)}
-    if val is None:  # held out by class, by the split's own seed: the same rows whatever --seed says
-        kept, held = hold_out(torch.tensor([index[label] for _, label in train]), cfg.val_fraction, "csv")
-        train, val = [train[i] for i in kept.tolist()], [train[i] for i in held.tolist()]
-    files = {split: {os.path.normpath(f) for f, _ in rows} for split, rows in
-             (("train.csv", train), ("val.csv", val), ("test.csv", test or []))}
-    for split, other in (("val.csv", "train.csv"), ("test.csv", "train.csv"), ("test.csv", "val.csv")):
-        if shared := sorted(files[split] & files[other]):  # a held-out split of train.csv shares none
-            shown = ", ".join(map(_shown, shared[:3]))
-            scores = split.removesuffix(".csv")
-            notes.append(f"csv: {split} lists {len(shared)} of {other}'s files too ({shown}): their {scores} "
-                         "scores are no held-out measure; list each file in one of them")
-    for split, rows in (("val", val), ("test", test or [])):
-        if unknown := sorted({label for _, label in rows} - set(names)):
+    if "val" not in rows:  # held out by class, by the split's own seed: the same rows whatever --seed says
+        train = rows["train"]
+        held = hold_out(torch.tensor([index[label] for _, label in train]), cfg.val_fraction, "csv")
+        rows["train"], rows["val"] = ([train[i] for i in at.tolist()] for at in held)
+    for split in ("val", "test"):
+        if unknown := sorted({label for _, label in rows.get(split, [])} - set(names)):
             raise UserError(f"csv: {split} labels {unknown[:5]} are in no training row; each class needs "
                             "some")
-    held = [None if rows is None else [(file, index[label]) for file, label in rows] for rows in (val, test)]
-    return _image_files(cfg, ([(file, index[label]) for file, label in train], *held), names, flip=cfg.flip,
-                        notes=notes)
+    files = {split: {os.path.normpath(f) for f, _ in listed} for split, listed in rows.items()}
+    for split, other in (("val", "train"), ("test", "train"), ("test", "val")):  # val held out: none shared
+        if shared := sorted(files.get(split, set()) & files[other]):
+            notes.append(f"csv: {split}.csv lists {len(shared)} of {other}.csv's files too "
+                         f"({', '.join(map(_shown, shared[:3]))}): their {split} scores are no held-out "
+                         "measure; list each file in one of them")
+    return _image_files(cfg, {split: [(file, index[label]) for file, label in listed]
+                              for split, listed in rows.items()}, names, flip=cfg.flip, notes=notes)
 
 
 def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +182,8 @@ def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     drawn = labels[order]  # each class's examples in the drawn order: its first `share` are held out
     val = torch.cat([order[drawn == c][:share] for c, share in zip(classes, shares.tolist(), strict=True)])
-    kept = torch.ones(len(labels), dtype=torch.bool)
-    kept[val] = False
-    return kept.nonzero().squeeze(1), val.sort().values
+    every = torch.arange(len(labels))
+    return every[~torch.isin(every, val)], val.sort().values
 
 
 # The one list of dataset names: --dataset, --help, the README's Fork it and the tests read it.
@@ -209,9 +204,9 @@ class DataInfo:
     class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
     train_size: int
     val_size: int
-    test_size: int | None  # None: the data has no test split
     loader: str  # what serves the batches, said once at start-up
     images: bool  # whether the image steps apply
+    test_size: int | None = None  # None: the data has no test split
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
 
@@ -321,10 +316,9 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        if self.on_device:
-            return self._prepared(self.source[:n], self.labels[:n], None, 0)
-        items = [self.source[i] for i in range(min(n, self.num_examples))]
-        return self._prepared(*torch.utils.data.default_collate(items), None, 0)
+        batch = ((self.source[:n], self.labels[:n]) if self.on_device else
+                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
+        return self._prepared(*batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         stream = self._epoch(epoch, start)
@@ -348,25 +342,25 @@ class Batches:
             for i, (inputs, targets) in enumerate(raw, start):
                 window = slice(i * bs, i * bs + len(inputs))
                 crops = (offsets[window], flips[window]) if pad or flip else None
-                yield self._prepared(inputs, targets, crops, pad)
+                yield self._prepared(inputs, targets, crops)
         except Exception as err:  # the loader's frames in its traceback would keep its workers alive
             traceback.clear_frames(err.__traceback__)
             raise
         finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
             del raw
 
-    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops, pad: int):
-        """A batch on the device as the model and the task take it: images cropped and flipped by `crops`
-        ((offsets, flips); dense targets with them), then normalized."""
+    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops=None):
+        """A batch on the device as the model and the task take it: training images cropped and flipped by
+        `crops` ((offsets, flips); dense targets with them), then normalized."""
         inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
         if self.targets is not None:
             targets = as_taken(targets, self.targets)
         if self.image is None:
             return (inputs.float() if inputs.is_floating_point() else inputs), targets
         if crops is not None:
-            inputs = augment(inputs, *crops, pad)
+            inputs = augment(inputs, *crops, self.image.pad)
             if self.image.dense:
-                targets = augment(targets, *crops, pad, fill=IGNORE_INDEX)
+                targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
         return self._normalize(inputs), targets
 
     def _from_workers(self, indices: list[int]):
@@ -403,16 +397,21 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
     source = DATASETS[cfg.dataset](cfg)
-    refuse_empty_splits(cfg.dataset, source)
+    # the splits (tensor targets converted in place by check_splits), none empty: an empty val split trained
+    # a whole epoch, then its tally divided by zero; an empty training split failed at its first example
+    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
+                                                      ("test", source.test)) if examples is not None}
+    for split, examples in splits.items():
+        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
     files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
     shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
     needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
     if not images and needs.size:
         raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
                         f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
-    splits = {"train": source.train, "val": source.val}  # tensor targets converted in place
-    if source.test is not None:
-        splits["test"] = source.test
     spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
     image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
     if images:
@@ -438,31 +437,29 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
         needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
         mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
-    pairs = splits.values()
-    sources = ([[t.to(device) for t in split] for split in pairs] if mode == "device" else
-               [(split if files else torch.utils.data.TensorDataset(*split), None) for split in pairs])
     serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
     balanced = spec.class_ids if cfg.balance_classes else None
-    train_batches = Batches(*sources[0], serving, train=True, image=image, targets=spec, class_ids=balanced)
-    held = [Batches(*pair, serving, train=False, image=image, targets=spec) for pair in sources[1:]]
-    val_batches, test_batches = held[0], (held[1] if len(held) == 2 else None)
+    served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
+    for split, pair in splits.items():
+        held = ([t.to(device) for t in pair] if mode == "device" else
+                (pair if files else torch.utils.data.TensorDataset(*pair), None))
+        served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
+                                class_ids=balanced if split == "train" else None)
     if mode == "dataloader":
         check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
-    if len(train_batches) == 0:
+    if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
-                        f"set ({train_batches.num_examples}); lower --batch-size")
+                        f"set ({served['train'].num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
     reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
                          "std": image.std.tolist()}
     info = DataInfo(input_shape=(shape[0], resize, resize) if resize else shape,
                     input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
-                    names=list(source.names), train_size=train_batches.num_examples,
+                    names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
-                    val_size=val_batches.num_examples,
-                    test_size=None if test_batches is None else test_batches.num_examples,
-                    loader=loader, images=images, notes=notes, reading=reading)
-    return train_batches, val_batches, test_batches, info
+                    **{f"{split}_size": batches.num_examples for split, batches in served.items()})
+    return served["train"], served["val"], served.get("test"), info
 
 
 def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
@@ -502,16 +499,6 @@ def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> Non
         notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
 
 
-def refuse_empty_splits(dataset: str, source: Source) -> None:
-    """A split of no examples, refused at start-up: an empty val split trained a whole epoch, then its
-    tally divided by zero; an empty training split failed at its first example."""
-    for split, examples in (("train", source.train), ("val", source.val), ("test", source.test)):
-        if examples is not None and len(examples[0] if isinstance(examples, tuple) else examples) == 0:
-            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
-            raise UserError(f"{dataset}: the {split} split holds no examples{skipped}; give it some (its "
-                            "dataset entry in data.py, or the files in --data-dir)")
-
-
 def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.device) -> tuple:
     """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
     as its run read its own (`reading`: its DataInfo.reading, which its checkpoint keeps); files; skipped."""
@@ -529,7 +516,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
-    source = _image_files(as_run, ([(f, 0) for f in files], [], None), [], flip=False).train
+    source = _image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, [], flip=False).train
     serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
@@ -626,26 +613,10 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
-def _unique_rows(root: Path, name: str, notes: list[str]) -> list[tuple[Path, str]]:
-    """root/name's rows, each file once: a repeated row is dropped (else a copy of a training row could
-    land in the held-out split), and said in `notes`; a file listed with two labels is refused."""
-    rows, labels = _csv_rows(root, name, notes=notes), {}
-    for file, label in rows:
-        if (known := labels.setdefault(os.path.normpath(file), label)) != label:
-            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({known!r} and "
-                            f"{label!r}); keep one row per file, with its class")
-    if repeats := len(rows) - len(labels):
-        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
-                     "label, each file is read once")
-        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
-    return rows
-
-
-def _image_files(cfg: Config, splits: tuple[list, list, list | None], names: list[str], flip: bool,
-                 notes=()) -> Source:
-    """(path, class index) lists of the train, val and test splits (None: no test split) as a Source read
-    by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized with
-    ImageNet's statistics (their mean if gray)."""
+def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: bool, notes=()) -> Source:
+    """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
+    read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
+    with ImageNet's statistics (their mean if gray)."""
     from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
@@ -656,15 +627,17 @@ def _image_files(cfg: Config, splits: tuple[list, list, list | None], names: lis
     transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])
     mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
-    train, val, test = (None if items is None else _Files(items, transform, mode) for items in splits)
-    return Source(train, val, names, pad=max(size // 8, 1), flip=flip, stats=stats, notes=list(notes),
-                  test=test)
+    files = {split: _Files(items, transform, mode) for split, items in splits.items()}
+    return Source(files["train"], files["val"], names, pad=max(size // 8, 1), flip=flip, stats=stats,
+                  notes=list(notes), test=files.get("test"))
 
 
 def _csv_rows(root: Path, name: str, labels: bool = True,
               notes: list[str] | None = None) -> list[tuple[Path, str | None]]:
-    """root/name's rows under its header: a file (relative to root), and with labels its label (next).
-    A first row that names a file under root is no header but data: kept, and said in `notes`."""
+    """root/name's rows under its header: a file (relative to root), and with labels its label (next), each
+    file once: a repeated row is dropped (else a copy of a training row could land in the held-out split),
+    and said in `notes`; a file listed with two labels is refused. A first row that names a file under root
+    is no header but data: kept, and said in `notes`."""
     try:
         with open(root / name, newline="", encoding="utf-8") as f:
             records = list(csv.reader(f))
@@ -684,5 +657,16 @@ def _csv_rows(root: Path, name: str, labels: bool = True,
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
         what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
         raise UserError(f"csv: {_shown(root / name)} {what}")
+    if not labels:  # --predict's list: every row as it is
+        return rows
+    known = {}  # each file's label
+    for file, label in rows:
+        if (first := known.setdefault(os.path.normpath(file), label)) != label:
+            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({first!r} and "
+                            f"{label!r}); keep one row per file, with its class")
+    if repeats := len(rows) - len(known):
+        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
+                     "label, each file is read once")
+        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
     return rows
 
