@@ -366,7 +366,8 @@ def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] 
     ax.set(xlabel="learning rate", ylabel="loss" if result.train_losses is None else "validation loss",
            title=f"LR range test, {len(result.lrs)} steps, {result.stop_reason}; red: for --schedule "
            f"{result.schedule}")
-    ax.legend(loc="lower left", fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # a sweep of no finite loss draws nothing to name
+        ax.legend(loc="lower left", fontsize="small")
     return ax.figure
 
 
