@@ -597,34 +597,32 @@ def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]],
     floor = math.inf  # the lowest running median of five raw losses
     high_run = 0  # raw losses in a row above diverge x floor
 
-    def read(i: int) -> str | None:
-        """Record step i's losses; return why the sweep stops there, if it does."""
-        nonlocal average, floor, high_run
-        if cuda:
-            events[i % 2].synchronize()
-        loss, train_loss = rows[i].tolist()
-        if progress is not None:
-            progress(i, plan[i][0], loss)
-        losses.append(loss)
-        train_losses.append(train_loss)
-        if not math.isfinite(loss):
-            smoothed.append(math.nan)
-            return "non-finite loss"
-        average = smooth * average + (1 - smooth) * loss
-        smoothed.append(average / (1 - smooth ** (i + 1)))
-        best, recent = min(smoothed), sorted(losses[-5:])  # all finite: a non-finite one stops it
-        floor = min(floor, recent[len(recent) // 2])  # a running median barely lags
-        high_run = high_run + 1 if loss > diverge * floor else 0
-        blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
-        return "diverged" if i >= min_iter_before_stop and blown_up else None
-
     for i in range(len(plan) + lag):  # step i, then read step i - lag
         if i < len(plan):
             rows[i].copy_(step(plan[i]), non_blocking=cuda)
             if cuda:
                 events[i % 2].record(torch.cuda.current_stream(device))
-        if i >= lag and (stop := read(i - lag)):
-            return stop, losses, train_losses, smoothed
+        if i < lag:
+            continue
+        n = i - lag  # the step read now
+        if cuda:
+            events[n % 2].synchronize()
+        loss, train_loss = rows[n].tolist()
+        if progress is not None:
+            progress(n, plan[n][0], loss)
+        losses.append(loss)
+        train_losses.append(train_loss)
+        if not math.isfinite(loss):
+            smoothed.append(math.nan)
+            return "non-finite loss", losses, train_losses, smoothed
+        average = smooth * average + (1 - smooth) * loss
+        smoothed.append(average / (1 - smooth ** (n + 1)))
+        best, recent = min(smoothed), sorted(losses[-5:])  # all finite: a non-finite one stops it
+        floor = min(floor, recent[len(recent) // 2])  # a running median barely lags
+        high_run = high_run + 1 if loss > diverge * floor else 0
+        blown_up = (best > 0 and smoothed[-1] > diverge * best) or (floor > 0 and high_run >= DIVERGED_RUN)
+        if n >= min_iter_before_stop and blown_up:
+            return "diverged", losses, train_losses, smoothed
     return "completed", losses, train_losses, smoothed
 
 
