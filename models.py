@@ -115,12 +115,11 @@ def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
     with torch.device("meta"):  # the architecture alone: no memory, no initialization
         fixed = getattr(torchvision.models.get_model(model, weights=None), "image_size", 0)
     size = weights.meta["min_size"][0]
-    needs = InputNeeds(size if pretrained or not fixed else fixed, exact=bool(fixed))
-    if pretrained:
-        transforms = weights.transforms()
-        needs.crop, needs.weights = transforms.crop_size[0], f"{type(weights).__name__}.{weights.name}"
-        needs.mean, needs.std = tuple(transforms.mean), tuple(transforms.std)
-    return needs
+    if not pretrained:
+        return InputNeeds(fixed or size, exact=bool(fixed))
+    transforms = weights.transforms()
+    return InputNeeds(size, bool(fixed), crop=transforms.crop_size[0], mean=tuple(transforms.mean),
+                      std=tuple(transforms.std), weights=f"{type(weights).__name__}.{weights.name}")
 
 
 def fit_images(cfg: Config, channels: int, size: int, mean: torch.Tensor, std: torch.Tensor,
@@ -210,10 +209,7 @@ def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,
         raise UserError(f"{source} does not fit the model built here ({'; '.join(sorted(problems)[:4])}"
                         f"{more}){'; ' + hint if hint else ''}; build the model it was saved from "
                         "(--model, --width, --channels)")
-    with torch.no_grad():
-        for key, tensor in own.items():
-            if key not in head:
-                tensor.copy_(weights[key])
+    model.load_state_dict({k: own[k] if k in head else weights[k] for k in own})  # the head keeps its own
     if not head:
         return ""
     layers = sorted({k.rsplit(".", 1)[0] for k in head})

@@ -467,10 +467,9 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     with closing(val_batches), nullcontext() if test_batches is None else closing(test_batches):
         result = evaluate(model, batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    split = cfg.split
-    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": split,
-              f"{split}_size": batches.num_examples,
-              **{f"{split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
+    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
+              f"{cfg.split}_size": batches.num_examples,
+              **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
     if rank == 0:
         logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
     return report

@@ -224,9 +224,7 @@ def _convert(name: str, raw):
         return raw.strip().lower()
     kind = float if name == "lr" else type(_FIELDS[name].default)
     if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
+        text = str(raw).strip().lower()  # True and False too: "true", "false"
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
@@ -359,10 +357,10 @@ def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
             raise UserError(f"unknown option {flag}{_suggest(flag, flags)} (see --help)")
         raise UserError(f"unexpected argument {bad!r}; options look like --epochs 3")
     given = vars(args)
-    values = load_toml(given.pop("config")) if given.get("config") else {}
-    given.pop("config", None)
+    config = given.pop("config", None)
+    values = load_toml(config) if config else {}
     for name, raw in given.items():
-        values[name] = raw if isinstance(raw, bool) or name == "resume" else _convert(name, raw)
+        values[name] = raw if name == "resume" else _convert(name, raw)
     return values
 
 
