@@ -23,6 +23,7 @@ from configs import (
     registry,
     validate,
 )
+from lr_find import PNG_SWEEP_KEY
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
@@ -123,8 +124,6 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     what = "its peak" if cfg.schedule == "onecycle" else "its starting rate"
     say(f"lr auto: {suggestion:.4g} from {path}, the suggestion for --schedule {cfg.schedule} ({what}, "
         f"rule {rule})")
-    from lr_find import PNG_SWEEP_KEY
-
     picture = path.with_name("lr_find.png")
     if picture.is_file() and "sweep" in record and png_text(picture).get(PNG_SWEEP_KEY) != record["sweep"]:
         say(f"lr auto: {picture} is not the picture of this sweep (a sweep stopped between writing the two, "
