@@ -701,7 +701,15 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: 
             p.grad = None
 
     undo.callback(restore)
-    undo.callback(_restore_rng_state, _capture_rng_state())
+    # Every global RNG a step may draw from, as checkpoints.py captures them (a deliberate copy, so that
+    # this file works alone).
+    undo.callback(torch.set_rng_state, torch.get_rng_state())
+    undo.callback(random.setstate, random.getstate())
+    if torch.cuda.is_initialized():
+        undo.callback(torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all())
+    if "numpy" in sys.modules:  # touched only when the caller already imported it
+        numpy_random = sys.modules["numpy"].random
+        undo.callback(numpy_random.set_state, numpy_random.get_state())
     for o in _chain(optimizer):  # the optimizer and any it wraps: an LR scheduler's step flag, say
         _keep_attributes(o, undo)
     return lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
@@ -756,26 +764,6 @@ def _twin(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
         prefetch_factor=loader.prefetch_factor, pin_memory_device=loader.pin_memory_device)
-
-
-# A deliberate copy of checkpoints.py's RNG capture (every global RNG a step may draw from), so that
-# this file works alone; in memory only.
-def _capture_rng_state() -> dict:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:  # touched only when the caller already imported it
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    return state
-
-
-def _restore_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        sys.modules["numpy"].random.set_state(state["numpy"])
 
 
 if __name__ == "__main__":

@@ -152,9 +152,11 @@ def test_diverging_sweep_restores_everything_bit_for_bit(opt_name, use_scaler):
     model[3].eval()
     before = snapshot(model, optimizer, scaler)
 
-    state = lf._capture_rng_state()
-    control = draws()
-    lf._restore_rng_state(state)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    control = draws()  # what each RNG gives next, then each put back
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
 
     first_weight = model[0].weight
     seen = {"changed": False, "train": []}
