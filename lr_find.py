@@ -506,16 +506,12 @@ def _read(curve: SuggestionCurve, rules: dict[str, str],
     """Each rule's pick (none for a ``stuck`` sweep), and why some found none, said in one warning."""
     picks = {name: (None if stuck or curve.problem else RULES[rule](curve), rule)
              for name, rule in rules.items()}
-    why = None if all(lr for lr, _ in picks.values()) else stuck or _why_none(curve)
+    # With a readable curve a rule finds none only where its lowest point is the sweep's last
+    why = None if all(lr for lr, _ in picks.values()) else (
+        stuck or curve.problem or "the loss was still falling at the end of the sweep (raise end_lr)")
     if why:
         warnings.warn(f"lr_find: no suggestion, {why}", UserWarning, stacklevel=4)
     return picks, why
-
-
-def _why_none(curve: SuggestionCurve) -> str:
-    if curve.problem or curve.lowest < len(curve.lrs) - 1:
-        return curve.problem or "the loss never decreases"
-    return "the loss was still falling at the end of the sweep (raise end_lr)"
 
 
 def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFindResult:

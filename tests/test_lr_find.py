@@ -973,12 +973,14 @@ def test_minimum_on_a_flat_bottom_is_the_lowest_point():
 
 
 def test_why_no_suggestion_names_the_cause():
-    def curve(lowest: int, problem: str | None = None) -> lf.SuggestionCurve:
-        return lf.SuggestionCurve([10.0 ** k for k in range(-5, 1)], [1.0] * 6, 2, lowest, False, problem)
-
-    assert lf._why_none(curve(4)) == "the loss never decreases"
-    assert lf._why_none(curve(5)) == "the loss was still falling at the end of the sweep (raise end_lr)"
-    assert lf._why_none(curve(3, "only 4 usable points")) == "only 4 usable points"
+    lrs = [10.0 ** (k / 4) for k in range(-20, 1)]
+    for losses, why in (([1.0] * 4, "only 4 usable points"),
+                        ([1.0 + 0.01 * i for i in range(21)], "the loss never decreases"),
+                        ([2.0 - 0.01 * i for i in range(21)],
+                         "the loss was still falling at the end of the sweep (raise end_lr)")):
+        with pytest.warns(UserWarning) as caught:
+            assert lf.suggest_lr(lrs[: len(losses)], losses) is None
+        assert [str(w.message) for w in caught] == [f"lr_find: no suggestion, {why}"]
 
 
 def test_batches_go_to_the_device_whole():
