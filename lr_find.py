@@ -91,8 +91,6 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise ValueError(message)
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
