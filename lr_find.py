@@ -94,29 +94,24 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
-    def window_losses(window: list) -> tuple[torch.Tensor | int, Iterator[torch.Tensor]]:
-        """The window's divisor (its normalizers' sum, else its number of batches) and each batch's loss,
-        lazily (one graph held at a time): their sum over the divisor is the window's mean."""
+    def on_device(window: list) -> tuple[list, torch.Tensor | int]:
+        """The window's batches on the device, and what their losses' sum is divided by for the window's
+        mean: their normalizers' sum, else their number."""
         window = [_to_device(batch, device) for batch in window]
-        divisor = len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
+        return window, len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
 
-        def losses() -> Iterator[torch.Tensor]:
-            for batch in window:
-                with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
-                    yield (batch_loss(model, batch) if batch_loss
-                           else loss_fn(*_outputs_and_targets(model, batch)))
-
-        return divisor, losses()
+    def loss_of(batch: Any) -> torch.Tensor:  # the forward only under autocast, as in train.py
+        with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
+            return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
 
     def val_loss() -> torch.Tensor:
         """The mean loss over val_loader, in eval mode."""
         model.eval()
         with torch.no_grad():
-            window = list(val_loader)
+            window, divisor = on_device(list(val_loader))
             if not window:
                 raise ValueError("val_loader is empty: it yielded no batches")
-            divisor, each = window_losses(window)
-            total = sum(loss.detach().float() for loss in each) / divisor
+            total = sum(loss_of(batch).detach().float() for batch in window) / divisor
         model.train()
         return total
 
@@ -129,8 +124,9 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         total = None  # the training loss: the window's mean, as one big batch would give
-        divisor, each = window_losses([next(batches) for _ in range(accum_steps)])
-        for loss in each:
+        window, divisor = on_device([next(batches) for _ in range(accum_steps)])
+        for batch in window:  # one graph held at a time
+            loss = loss_of(batch)
             loss = loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
             total = loss.detach().float() if total is None else total + loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
