@@ -164,6 +164,7 @@ def test_diverging_sweep_restores_everything_bit_for_bit(opt_name, use_scaler):
     def progress(i, lr, loss):
         seen["changed"] |= not torch.equal(first_weight, before["tensors"]["0.weight"])
         seen["train"].append(all(m.training for m in model.modules()))
+        draws()  # the sweep moves every RNG, not only torch's (dropout): each must come back
 
     result = lf.lr_find(
         model, optimizer, F.cross_entropy, batches,
