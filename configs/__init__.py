@@ -23,12 +23,8 @@ import tomllib
 # checked, and no module fills in another's.
 REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZERS"),
               "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
-AMP_MODES = ("auto", "bf16", "fp16", "off")
-LOADERS = ("auto", "device", "dataloader")
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
-TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
-EVALUATED_SPLITS = ("val", "test")  # what --evaluate runs
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
 
@@ -87,7 +83,7 @@ class Config:
                                   limits="in (0, 1)")
     loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
                           "worker processes; auto: device when the data fits (files: dataloader)",
-                          choices=LOADERS, may_change=True, keeps_lr=True)
+                          choices=("auto", "device", "dataloader"), may_change=True, keeps_lr=True)
     num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
                                limits=">= 0", may_change=True, keeps_lr=True)
     augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
@@ -150,7 +146,7 @@ class Config:
     device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu", may_change=True,
                           keeps_lr=True)
     amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
-                       "GradScaler, off on CPU and MPS", choices=AMP_MODES)
+                       "GradScaler, off on CPU and MPS", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)", keeps_lr=True)
     compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
     cuda_graphs: bool = setting(False, "CUDA: capture the training forward and backward as CUDA graphs "
@@ -180,7 +176,7 @@ class Config:
     evaluate: str = setting("", "a checkpoint: run the --split once through it, print and write eval.json "
                             "next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
     split: str = setting("val", "--evaluate: the split it runs, val or the test split (where the data has "
-                         "one)", choices=EVALUATED_SPLITS, may_change=True, keeps_lr=True)
+                         "one)", choices=("val", "test"), may_change=True, keeps_lr=True)
     # --predict (how a saved model is run, like --evaluate: never taken from its checkpoint's config)
     predict: str = setting("", "an image, a folder (searched recursively) or a CSV (a header, then file "
                            "paths in its first column): predict each with --checkpoint, write "
@@ -191,7 +187,7 @@ class Config:
     top_k: int = setting(5, "--predict: the most likely classes written per file (at most the class count)",
                          limits="> 0", may_change=True, keeps_lr=True)
     tta: str = setting("none", "--predict: flip averages each image's outputs with its mirror image's",
-                       choices=TTA_MODES, may_change=True, keeps_lr=True)
+                       choices=("none", "flip"), may_change=True, keeps_lr=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -308,22 +304,12 @@ class _Parser(argparse.ArgumentParser):
 class _Switch(argparse.Action):
     """A boolean as people type it: --x, --x true|false|yes|no|on|off|1|0, --x=false, --no-x."""
 
-    def __init__(self, option_strings, dest, default=None, help=None):
-        super().__init__(option_strings, dest, nargs="?", default=default, help=help,
-                         metavar="true|false")
-
     def __call__(self, parser, namespace, value, option_string=None):
         if option_string.startswith("--no-"):
             if value is not None:
                 raise UserError(f"{option_string} takes no value; write --{option_string[5:]} {value}")
             value = False
         setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
-
-
-def _help(f) -> str:
-    rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
-    text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
-    return text.replace("%", "%%")
 
 
 def _parser(description: str) -> _Parser:
@@ -335,13 +321,16 @@ def _parser(description: str) -> _Parser:
                                 metavar="PATH", help=f.metadata["help"])
         elif isinstance(f.default, bool):
             negated = "--no-" + _flag(f.name)[2:]
-            parser.add_argument(_flag(f.name), action=_Switch, default=argparse.SUPPRESS,
+            parser.add_argument(_flag(f.name), action=_Switch, nargs="?", metavar="true|false",
+                                default=argparse.SUPPRESS,
                                 help=f"{f.metadata['help']} (or {negated}; default {f.default})")
-            parser.add_argument(negated, action=_Switch, dest=f.name, default=argparse.SUPPRESS,
+            parser.add_argument(negated, action=_Switch, nargs="?", dest=f.name, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)
         else:
+            rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
+            text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
             parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=_help(f))
+                                help=text.replace("%", "%%"))
     return parser
 
 
