@@ -19,14 +19,13 @@ from pathlib import Path
 import tomllib
 
 # The names a field may take from another module, each defined once there (the one list --help, the
-# checks and the README read): a field with registry=KIND takes its choices from it when a config is
-# checked, and no module fills in another's.
+# checks and the README read); a field with registry=KIND takes its choices from it when checked.
 REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZERS"),
               "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
-ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
+EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
 LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
@@ -227,14 +226,14 @@ def _convert(name: str, raw):
             return False
         raise UserError(f"{name} expects true or false, got {raw!r}")
     if isinstance(raw, bool):
-        raise UserError(f"{name} expects {ARTICLES[kind]}, got {raw!r}")
+        raise UserError(f"{name} expects {EXPECTS[kind]}, got {raw!r}")
     try:
         if kind is int and isinstance(raw, float) and not raw.is_integer():
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
         hint = ", 'auto' or 'find'" if name == "lr" else ""
-        raise UserError(f"{name} expects {ARTICLES[kind]}{hint}, got {raw!r}") from None
+        raise UserError(f"{name} expects {EXPECTS[kind]}{hint}, got {raw!r}") from None
 
 
 def validate(cfg: Config) -> Config:
@@ -288,8 +287,7 @@ def _toml_typed(path: str, key: str, name: str, raw):
     typed = {bool: isinstance(raw, bool), str: isinstance(raw, str)}.get(kind, number)
     if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto" or "find"
         return raw
-    words = " or 'auto' or 'find'" if name == "lr" else ""
-    expects = "true or false" if kind is bool else ARTICLES[kind] + words
+    expects = EXPECTS[kind] + (" or 'auto' or 'find'" if name == "lr" else "")
     what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
     got = what or ("a number" if number else f"a {type(raw).__name__}")
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
@@ -349,7 +347,7 @@ def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
     config = given.pop("config", None)
     values = load_toml(config) if config else {}
     for name, raw in given.items():
-        values[name] = raw if name == "resume" else _convert(name, raw)
+        values[name] = _convert(name, raw)
     return values
 
 

@@ -37,7 +37,7 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
     if "out_dir" not in given and given.get("resume", "last") not in OUT_DIR_RESUMES:
         given["out_dir"] = str(Path(checkpoint).parent)
     try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
-        saved = {k: _convert(k, v) if k != "resume" else v for k, v in saved.items() if k in _FIELDS}
+        saved = {k: _convert(k, v) for k, v in saved.items() if k in _FIELDS}
     except UserError as err:
         raise UserError(f"checkpoint {checkpoint}'s config is damaged ({err}); resume from another "
                         "checkpoint, or start a new run") from None
