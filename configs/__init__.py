@@ -7,13 +7,12 @@ Bad input is a UserError: one line saying what is wrong and the fix; the scripts
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import math
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import tomllib
@@ -24,7 +23,6 @@ REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZE
               "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
-LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
@@ -189,7 +187,7 @@ class Config:
                        choices=("none", "flip"), may_change=True, keeps_lr=True)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
 
 class UserError(ValueError):

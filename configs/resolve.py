@@ -13,7 +13,6 @@ from pathlib import Path
 
 from configs import (
     _FIELDS,
-    LENGTH_FREE_SCHEDULES,
     LR_WORDS,
     OUT_DIR_RESUMES,
     Config,
@@ -44,6 +43,7 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
     return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}))
 
 
+LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 # What --evaluate and --predict take from their command line; the model and data settings come from the
 # checkpoint. The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
