@@ -2,8 +2,7 @@
 
 Self-contained (torch + standard library only), so it can be copied alone into another project.
 Preview a schedule: python schedules.py --schedule cosine --total-steps 1000 --warmup-steps 50
-(a table; add --png PATH for a plot)
-"""
+(a table; add --png PATH for a plot)"""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from typing import NoReturn
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-# Each schedule's options and their defaults (step_size None: a third of the run after warmup; max_lr None:
-# each group's lr). Its names are the one list of schedules: SCHEDULES, which configs/ and the tests read.
+# Each schedule's options and their defaults (None: see build_scheduler). Its names are the one list of
+# schedules: SCHEDULES, which configs/ and the tests read.
 _OPTIONS = {
     "constant": {},
     "step": {"step_size": None, "gamma": 0.1},
@@ -158,23 +157,20 @@ def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, options: dict)
         _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
     strategy = options["anneal_strategy"]
     _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
-    momenta = [_momentum(group) for group in groups]
-    cycle = all(m > 0 for m in momenta)
-    return _OneCycleLR(optimizer, max_lr=lrs, total_steps=total_steps, pct_start=float(pct_start),
-                       anneal_strategy=strategy, cycle_momentum=cycle,
-                       base_momentum=[min(0.85, m) for m in momenta] if cycle else 0.85,
-                       max_momentum=momenta if cycle else 0.95, div_factor=float(options["div_factor"]),
-                       final_div_factor=float(options["final_div_factor"]),
-                       three_phase=bool(options["three_phase"]))
+    momenta = [_momentum(group) for group in groups]  # OneCycleLR reads them only when it cycles
+    return _OneCycleLR(optimizer, max_lr=lrs, total_steps=total_steps, pct_start=pct_start,
+                       anneal_strategy=strategy, cycle_momentum=all(m > 0 for m in momenta),
+                       base_momentum=[min(0.85, m) for m in momenta], max_momentum=momenta,
+                       div_factor=options["div_factor"], final_div_factor=options["final_div_factor"],
+                       three_phase=options["three_phase"])
 
 
 def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
     """pct_start moved off the one value that breaks torch's OneCycleLR at this run length: when
-    pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on the step it
-    starts and OneCycleLR divides by zero. A nudge of one part in 1e9 gives the limit of torch's own
-    curve: that one step runs at the initial lr (max_lr / div_factor) and the anneal starts at the next.
-    Any other value comes back unchanged, so every run that torch handles keeps torch's curve exactly.
-    (three_phase nudges down, to stay within its 0.5 cap.)"""
+    pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on the step it starts
+    and OneCycleLR divides by zero. A nudge of one part in 1e9 (down with three_phase, within its 0.5 cap)
+    gives the limit of torch's own curve: that step runs at max_lr / div_factor, the anneal starts at the
+    next. Any other value comes back unchanged, so every run torch handles keeps torch's curve exactly."""
     if float(pct_start * total_steps) != 1:
         return pct_start
     return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
@@ -184,13 +180,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: in
                     **options: object) -> LRScheduler:
     """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
     warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle, whose warm
-    phase is pct_start; warmup needs one. Options equal to None take their defaults (_OPTIONS): step decays
-    by gamma at 1/3 and 2/3 of the post-warmup span, cosine to min_lr_ratio x base. onecycle's max_lr: a
-    list sets each param group's peak; a number is the first group's, the others keeping the ratio of their
-    lrs to its lr (as lr_find sweeps them); None: each group's lr (or the peak a onecycle schedule already
-    set in it, as a loaded optimizer state holds). Stepped past total_steps, a schedule holds its last rate
-    and warns once. To resume, load the optimizer's state before or after building this scheduler, then
-    the scheduler's: the rate is the saved one either way."""
+    phase is pct_start; warmup needs one. Options left out or None take their defaults (_OPTIONS): step
+    decays by gamma at 1/3 and 2/3 of the post-warmup span, cosine to min_lr_ratio x base. onecycle's max_lr:
+    a list sets each param group's peak; a number the first group's, the others keeping their lr's ratio to
+    its lr (as lr_find sweeps them); None: each group's lr (or the peak a loaded onecycle state left in it).
+    Past total_steps a schedule holds its last rate and warns once. To resume, load the optimizer's state
+    before or after building this scheduler, then the scheduler's: the rate is the saved one either way."""
     _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
     _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
     ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
@@ -206,7 +201,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: in
         return _onecycle(optimizer, total_steps, options)
     if name == "step":
         if options["step_size"] is None:
-            options["step_size"] = max(1, math.ceil((total_steps - warmup_steps) / 3))
+            options["step_size"] = math.ceil((total_steps - warmup_steps) / 3)  # >= 1: warmup_steps < total
         step_size, gamma = options["step_size"], options["gamma"]
         _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
         _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
@@ -293,22 +288,16 @@ def _fail(message: str) -> NoReturn:
 
 def _plot(lrs: list[float], title: str, path: str) -> str:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot state or GUI backend involved
     except ImportError:
         return "matplotlib is not installed; no PNG written"
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(range(len(lrs)), lrs)
+    ax = Figure(figsize=(7, 3.5), layout="tight").add_subplot()
+    ax.plot(lrs)
     ax.set(xlabel="optimizer step", ylabel="learning rate", title=title)
-    fig.tight_layout()
     try:
-        fig.savefig(path)
+        ax.figure.savefig(path)
     except OSError as exc:
         _fail(f"cannot write {path}: {exc}")
-    finally:
-        plt.close(fig)
     return f"wrote {path}"
 
 

@@ -7,30 +7,23 @@ Bad input is a UserError: one line saying what is wrong and the fix; the scripts
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import math
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import tomllib
 
 # The names a field may take from another module, each defined once there (the one list --help, the
-# checks and the README read): a field with registry=KIND takes its choices from it when a config is
-# checked, and no module fills in another's.
+# checks and the README read); a field with registry=KIND takes its choices from it when checked.
 REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZERS"),
               "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
-AMP_MODES = ("auto", "bf16", "fp16", "off")
-LOADERS = ("auto", "device", "dataloader")
 LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
-TTA_MODES = ("none", "flip")  # --predict's test-time augmentation
-EVALUATED_SPLITS = ("val", "test")  # what --evaluate runs
-LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
-ARTICLES = {int: "an integer", float: "a number", str: "a string"}  # "epochs expects an integer"
+EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
 LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
@@ -87,7 +80,7 @@ class Config:
                                   limits="in (0, 1)")
     loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
                           "worker processes; auto: device when the data fits (files: dataloader)",
-                          choices=LOADERS, may_change=True, keeps_lr=True)
+                          choices=("auto", "device", "dataloader"), may_change=True, keeps_lr=True)
     num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
                                limits=">= 0", may_change=True, keeps_lr=True)
     augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
@@ -150,7 +143,7 @@ class Config:
     device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu", may_change=True,
                           keeps_lr=True)
     amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
-                       "GradScaler, off on CPU and MPS", choices=AMP_MODES)
+                       "GradScaler, off on CPU and MPS", choices=("auto", "bf16", "fp16", "off"))
     channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)", keeps_lr=True)
     compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
     cuda_graphs: bool = setting(False, "CUDA: capture the training forward and backward as CUDA graphs "
@@ -180,7 +173,7 @@ class Config:
     evaluate: str = setting("", "a checkpoint: run the --split once through it, print and write eval.json "
                             "next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
     split: str = setting("val", "--evaluate: the split it runs, val or the test split (where the data has "
-                         "one)", choices=EVALUATED_SPLITS, may_change=True, keeps_lr=True)
+                         "one)", choices=("val", "test"), may_change=True, keeps_lr=True)
     # --predict (how a saved model is run, like --evaluate: never taken from its checkpoint's config)
     predict: str = setting("", "an image, a folder (searched recursively) or a CSV (a header, then file "
                            "paths in its first column): predict each with --checkpoint, write "
@@ -191,10 +184,10 @@ class Config:
     top_k: int = setting(5, "--predict: the most likely classes written per file (at most the class count)",
                          limits="> 0", may_change=True, keeps_lr=True)
     tta: str = setting("none", "--predict: flip averages each image's outputs with its mirror image's",
-                       choices=TTA_MODES, may_change=True, keeps_lr=True)
+                       choices=("none", "flip"), may_change=True, keeps_lr=True)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
 
 class UserError(ValueError):
@@ -231,14 +224,14 @@ def _convert(name: str, raw):
             return False
         raise UserError(f"{name} expects true or false, got {raw!r}")
     if isinstance(raw, bool):
-        raise UserError(f"{name} expects {ARTICLES[kind]}, got {raw!r}")
+        raise UserError(f"{name} expects {EXPECTS[kind]}, got {raw!r}")
     try:
         if kind is int and isinstance(raw, float) and not raw.is_integer():
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
         hint = ", 'auto' or 'find'" if name == "lr" else ""
-        raise UserError(f"{name} expects {ARTICLES[kind]}{hint}, got {raw!r}") from None
+        raise UserError(f"{name} expects {EXPECTS[kind]}{hint}, got {raw!r}") from None
 
 
 def validate(cfg: Config) -> Config:
@@ -292,8 +285,7 @@ def _toml_typed(path: str, key: str, name: str, raw):
     typed = {bool: isinstance(raw, bool), str: isinstance(raw, str)}.get(kind, number)
     if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto" or "find"
         return raw
-    words = " or 'auto' or 'find'" if name == "lr" else ""
-    expects = "true or false" if kind is bool else ARTICLES[kind] + words
+    expects = EXPECTS[kind] + (" or 'auto' or 'find'" if name == "lr" else "")
     what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
     got = what or ("a number" if number else f"a {type(raw).__name__}")
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
@@ -308,22 +300,12 @@ class _Parser(argparse.ArgumentParser):
 class _Switch(argparse.Action):
     """A boolean as people type it: --x, --x true|false|yes|no|on|off|1|0, --x=false, --no-x."""
 
-    def __init__(self, option_strings, dest, default=None, help=None):
-        super().__init__(option_strings, dest, nargs="?", default=default, help=help,
-                         metavar="true|false")
-
     def __call__(self, parser, namespace, value, option_string=None):
         if option_string.startswith("--no-"):
             if value is not None:
                 raise UserError(f"{option_string} takes no value; write --{option_string[5:]} {value}")
             value = False
         setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
-
-
-def _help(f) -> str:
-    rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
-    text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
-    return text.replace("%", "%%")
 
 
 def _parser(description: str) -> _Parser:
@@ -335,13 +317,16 @@ def _parser(description: str) -> _Parser:
                                 metavar="PATH", help=f.metadata["help"])
         elif isinstance(f.default, bool):
             negated = "--no-" + _flag(f.name)[2:]
-            parser.add_argument(_flag(f.name), action=_Switch, default=argparse.SUPPRESS,
+            parser.add_argument(_flag(f.name), action=_Switch, nargs="?", metavar="true|false",
+                                default=argparse.SUPPRESS,
                                 help=f"{f.metadata['help']} (or {negated}; default {f.default})")
-            parser.add_argument(negated, action=_Switch, dest=f.name, default=argparse.SUPPRESS,
+            parser.add_argument(negated, action=_Switch, nargs="?", dest=f.name, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)
         else:
+            rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
+            text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
             parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=_help(f))
+                                help=text.replace("%", "%%"))
     return parser
 
 
@@ -360,7 +345,7 @@ def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
     config = given.pop("config", None)
     values = load_toml(config) if config else {}
     for name, raw in given.items():
-        values[name] = raw if name == "resume" else _convert(name, raw)
+        values[name] = _convert(name, raw)
     return values
 
 

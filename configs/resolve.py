@@ -13,7 +13,6 @@ from pathlib import Path
 
 from configs import (
     _FIELDS,
-    LENGTH_FREE_SCHEDULES,
     LR_WORDS,
     OUT_DIR_RESUMES,
     Config,
@@ -27,25 +26,24 @@ from lr_find import PNG_SWEEP_KEY
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path) -> Config:
-    """The config a resume runs with: the checkpoint's, with the settings given now on top.
-
-    --lr auto or find given again means the rate the run already used (a number in the checkpoint).
-    --allow-more-epochs is a permission for this command only, so it is never taken from the
-    checkpoint. Without --out-dir, `--resume PATH` continues in PATH's folder.
-    """
+    """The config a resume runs with: the checkpoint's, with the settings given now on top. --lr auto or
+    find given again means the rate the run already used (a number in the checkpoint). --allow-more-epochs
+    is a permission for this command only, never taken from the checkpoint. Without --out-dir,
+    `--resume PATH` continues in PATH's folder."""
     given = dict(given)
     if given.get("lr") in LR_WORDS:
         del given["lr"]
     if "out_dir" not in given and given.get("resume", "last") not in OUT_DIR_RESUMES:
         given["out_dir"] = str(Path(checkpoint).parent)
     try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
-        saved = {k: _convert(k, v) if k != "resume" else v for k, v in saved.items() if k in _FIELDS}
+        saved = {k: _convert(k, v) for k, v in saved.items() if k in _FIELDS}
     except UserError as err:
         raise UserError(f"checkpoint {checkpoint}'s config is damaged ({err}); resume from another "
                         "checkpoint, or start a new run") from None
     return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}))
 
 
+LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 # What --evaluate and --predict take from their command line; the model and data settings come from the
 # checkpoint. The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir")
@@ -65,25 +63,24 @@ def evaluated_config(cfg: Config, given: dict, saved) -> Config:
 
 def check_resumable(saved: dict, cfg: Config) -> None:
     """Refuse a resume whose config would change what the saved state means."""
-    saved = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default
-    diffs = [f"{f.name}: {saved.get(f.name)!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-             if not f.metadata["may_change"] and saved.get(f.name) != getattr(cfg, f.name)]
-    if cfg.allow_more_epochs and cfg.schedule in LENGTH_FREE_SCHEDULES:
-        diffs = [d for d in diffs if not (d.startswith("epochs:") and cfg.epochs > saved["epochs"])]
-    longer = any(d.startswith("epochs:") for d in diffs) and cfg.schedule in LENGTH_FREE_SCHEDULES
+    diffs = differences(saved, cfg, "may_change")
+    length_free = cfg.schedule in LENGTH_FREE_SCHEDULES
+    if cfg.allow_more_epochs and length_free and cfg.epochs > saved.get("epochs", Config().epochs):
+        diffs = [d for d in diffs if not d.startswith("epochs:")]
+    longer = length_free and any(d.startswith("epochs:") for d in diffs)
     if diffs:
         raise UserError(f"cannot resume: the config differs from the checkpoint's ({'; '.join(diffs)})"
                         f"; {'add --allow-more-epochs to train longer, or ' if longer else ''}resume "
                         "without those flags, or start a new run with a new --out-dir")
 
 
-def lr_setup_differences(measured: dict, cfg: Config, unread: tuple[str, ...] = ()) -> list[str]:
-    """The settings that can move the best learning rate (all but keeps_lr ones) and differ between a
-    sweep's config and cfg. `unread`: settings that neither optimizer reads (momentum for two adamw)."""
-    measured = {**Config().to_dict(), **measured}
-    return [f"{f.name}: {measured[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-            if not f.metadata["keeps_lr"] and f.name not in unread
-            and measured[f.name] != getattr(cfg, f.name)]
+def differences(saved: dict, cfg: Config, rule: str, unread: tuple[str, ...] = ()) -> list[str]:
+    """The settings that differ between a saved config and cfg, as "name: saved -> now", but those whose
+    `rule` lets them differ (may_change: a resume; keeps_lr: a sweep's rate) and the `unread` (momentum
+    between two adamw sweeps). A setting newer than the saved config ran as its default."""
+    saved = {**Config().to_dict(), **saved}
+    return [f"{f.name}: {saved[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
+            if not f.metadata[rule] and f.name not in unread and saved[f.name] != getattr(cfg, f.name)]
 
 
 def resolve_lr(cfg: Config, task, say=print) -> float | None:
@@ -107,15 +104,15 @@ def resolve_lr(cfg: Config, task, say=print) -> float | None:
     read = {s for name in (measured_on.get("optimizer"), cfg.optimizer) if name in optimizers
             for s in optimizers[name].settings}
     unread = tuple(s for entry in optimizers.values() for s in entry.settings if s not in read)
-    differences = lr_setup_differences(measured_on, cfg, unread)
+    diffs = differences(measured_on, cfg, "keeps_lr", unread)
     swept, here = measured_on.get("task"), task_identity(task)
     if swept != here:  # the loss is code, not a setting: an edited task.py needs a new sweep
-        differences.append(f"task: {swept} -> {here}")
+        diffs.append(f"task: {swept} -> {here}")
     serving = [f for f in families.values() if isinstance(f, dict) and cfg.schedule in f.get("schedules", [])]
     if not serving:
-        differences.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
-    if differences:
-        raise UserError(f"{path} was measured on another setup ({'; '.join(differences)}): its rate does "
+        diffs.append(f"schedule: none of its suggestions serves {cfg.schedule!r}")
+    if diffs:
+        raise UserError(f"{path} was measured on another setup ({'; '.join(diffs)}): its rate does "
                         f"not carry over; measure this one's with `{refind}`, {others}")
     suggestion, rule = serving[0].get("lr"), serving[0].get("method")
     if type(suggestion) not in (int, float) or not 0 < suggestion < math.inf:

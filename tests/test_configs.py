@@ -146,12 +146,12 @@ def test_the_choices_are_read_where_they_are_defined():
     assert configs.registry("optimizer") is models.OPTIMIZERS
     assert configs.registry("schedule") is schedules.SCHEDULES
     assert {lr_find.family_of(s) for s in schedules.SCHEDULES} == {"peak", "base"}  # each one's suggestion
-    for mode in configs.AMP_MODES:
+    for mode in CHOICES["amp"]:
         models.amp_dtype(torch.device("cpu"), mode)
-    assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": configs.LOADERS,
+    assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": ("auto", "device", "dataloader"),
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": schedules.SCHEDULES,
-                       "find_method": ("auto", *lr_find.METHODS), "amp": configs.AMP_MODES,
-                       "tta": configs.TTA_MODES, "split": configs.EVALUATED_SPLITS}
+                       "find_method": ("auto", *lr_find.METHODS), "amp": ("auto", "bf16", "fp16", "off"),
+                       "tta": ("none", "flip"), "split": ("val", "test")}
 
 def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):
     """A dataset or optimizer added to its dict is accepted, listed in --help, and nowhere else to add."""

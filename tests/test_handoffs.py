@@ -18,7 +18,7 @@ import configs
 import task
 import train
 from configs import UserError, parse_config, resolve
-from configs.resolve import lr_setup_differences, resumed_config
+from configs.resolve import differences, resumed_config
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
         "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
@@ -66,7 +66,7 @@ def test_lr_auto_refuses_a_rate_measured_on_another_setup(swept, shown, tmp_path
     assert command.startswith("python lr_find.py ")
     refound = parse_config(shlex.split(command)[2:])
     assert refound.out_dir == str(tmp_path)
-    assert lr_setup_differences(refound.to_dict(), parse_config([*TINY, "--out-dir", str(tmp_path)])) == []
+    assert differences(refound.to_dict(), parse_config([*TINY, "--out-dir", str(tmp_path)]), "keeps_lr") == []
 
 
 def test_lr_auto_takes_the_rate_of_the_same_setup(tmp_path):
@@ -257,7 +257,7 @@ def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
             continue
         swept = {**base.to_dict(), field.name: "something else"}
         shown = f"{field.name}: 'something else' -> {getattr(base, field.name)!r}"
-        assert lr_setup_differences(swept, base) == [shown], field.name
+        assert differences(swept, base, "keeps_lr") == [shown], field.name
     kept = {f.name for f in dataclasses.fields(configs.Config) if f.metadata["keeps_lr"]}
     assert kept == {"data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
                     "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor",
