@@ -86,7 +86,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         lr = find_lr(cfg, task, model, train_batches, info, amp_dtype)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
-    ema = models.Ema.of(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
+    ema = models.Ema(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
