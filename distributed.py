@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -33,8 +33,7 @@ from configs import UserError, first_line
 def pick_device(name: str = "auto") -> torch.device:
     """cuda > mps > cpu unless forced; under torchrun each process takes its LOCAL_RANK's GPU."""
     if name == "auto":
-        mps = getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -155,19 +154,12 @@ def on_rank0(work: Callable, *args) -> None:
         raise UserError(problem)
 
 
-def sync_buffers(module: nn.Module) -> None:
-    """Copy rank 0's buffers (BatchNorm statistics) to every rank: DDP broadcasts buffers at the start of
-    each forward, so after the last one every rank holds statistics updated by its own shard; syncing
-    before evaluation and saving removes that skew."""
+def share_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
+    """Copy rank 0's `tensors` to every rank, in place: weights that rank 0 alone read from a file, or
+    BatchNorm statistics, which DDP broadcasts at the start of each forward, so that after the last one
+    every rank holds statistics updated by its own shard (shared before evaluation and saving)."""
     if is_distributed():
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-def share_from_rank0(module: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers to every rank: weights that rank 0 alone read from a file."""
-    if is_distributed():
-        for tensor in module.state_dict().values():
+        for tensor in tensors:
             dist.broadcast(tensor, src=0)
 
 

@@ -24,7 +24,7 @@ from configs import Config
 # ---------------------------------------------------------------- TensorBoard
 
 
-class TensorBoard:
+class TensorBoard(contextlib.AbstractContextManager):
     """Rank 0's TensorBoard writer for a train.py run (with active False, on the other ranks, every
     call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
     out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's).
@@ -63,9 +63,6 @@ class TensorBoard:
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
-
-    def __enter__(self) -> TensorBoard:
-        return self
 
     def __exit__(self, error_type, *_) -> None:
         if error_type is not None and self.writer:
@@ -120,11 +117,9 @@ class TensorBoard:
 
 
 def quiet_tensorboard_thread() -> None:
-    """Keep Python from printing a traceback when TensorBoard's writer thread dies of an OSError.
-
-    That thread keeps its error and raises it again at the next write or flush, in the main
-    thread, where reporting_write_errors makes it one line. Other threads report as before.
-    """
+    """Keep Python from printing a traceback when TensorBoard's writer thread dies of an OSError: that
+    thread keeps its error and raises it again at the next write or flush, in the main thread, where
+    reporting_write_errors makes it one line. Other threads report as before."""
     previous = threading.excepthook
     if getattr(previous, "quiet_tensorboard", False):
         return
@@ -260,11 +255,9 @@ def write_png_atomic(path: str | Path, picture) -> None:
 
 
 def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
-    """Images (N, C, H, W, values in [0, 1]) side by side, each with its caption underneath.
-
-    Small images are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to
-    tiles of 64-160 px; one channel is shown as gray, other channel counts by their first.
-    """
+    """Images (N, C, H, W, values in [0, 1]) side by side, each with its caption underneath. Small images
+    are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to tiles of 64-160 px;
+    one channel is shown as gray, other channel counts by their first."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -301,8 +294,7 @@ def confusion_picture(confusion: list[list[int]], names: list[str]):
     labels = [_fitted(name, 110, font) for name in names] if cell >= 8 else [""] * n
     margin = 8 + max([int(font.getlength(label)) for label in labels] + [0])
     head = 22
-    width, height = margin + n * cell + 8, head + margin + n * cell + 8
-    canvas = Image.new("RGB", (width, height), "white")
+    canvas = Image.new("RGB", (margin + n * cell + 8, head + margin + n * cell + 8), "white")
     draw = ImageDraw.Draw(canvas)
     draw.text((4, 4), "rows: true class, columns: predicted, % of each row", fill="black", font=_font(11))
     top = Image.new("RGB", (margin, n * cell), "white")  # column labels, drawn across, then turned

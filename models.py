@@ -13,7 +13,6 @@ import contextlib
 import copy
 import difflib
 import functools
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,13 +248,11 @@ def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool
 def _pretrained_weights(name: str) -> dict:
     """torchvision's default weights for `name`, from $TORCH_HOME/hub/checkpoints as torchvision
     keeps them (downloaded there first if missing), loaded with weights_only=True."""
-    from urllib.parse import urlparse
-
     import torchvision
 
     weights = torchvision.models.get_model_weights(name).DEFAULT
     folder = Path(torch.hub.get_dir()) / "checkpoints"
-    file = folder / os.path.basename(urlparse(weights.url).path)
+    file = folder / weights.url.split("/")[-1]  # torchvision's URLs end in the file's name
     if not file.is_file():
         failed = (f"--pretrained needs {file.name} and could not download it ({{reason}}); without network, "
                   f"copy it from {weights.url} into {folder} ($TORCH_HOME/hub/checkpoints)")
@@ -323,25 +320,19 @@ def fused_by_default(cfg: Config, device: torch.device) -> bool:
 # ---------------------------------------------------------------- --ema
 
 
-@dataclass
 class Ema:
     """--ema: an exponential moving average of a model's weights and BatchNorm statistics, kept on the device
     in a copy of the model (`average`, in eval mode, never trained), which evaluation, best.pt, --evaluate
     and --predict use. torch's AveragedModel reads its step count from the device twice a step; this keeps
     the count on the host and moves the average with torch's own get_ema_multi_avg_fn (one lerp for all)."""
 
-    average: nn.Module
-    decay: float
-    pairs: tuple[list[torch.Tensor], list[torch.Tensor]]  # the average's floating-point tensors, the model's
-
-    @classmethod
-    def of(cls, model: nn.Module, decay: float) -> Ema:
+    def __init__(self, model: nn.Module, decay: float):
         """The average of `model`, starting as a copy of it (its integer buffers, such as BatchNorm's
         batch count, stay the copy's: only floats are averaged)."""
-        average = copy.deepcopy(model).eval().requires_grad_(False)
-        tensors = zip(average.state_dict().values(), model.state_dict().values(), strict=True)
+        self.average, self.decay = copy.deepcopy(model).eval().requires_grad_(False), decay
+        tensors = zip(self.average.state_dict().values(), model.state_dict().values(), strict=True)
         floats = [(a, m) for a, m in tensors if a.is_floating_point()]
-        return cls(average, decay, ([a for a, _ in floats], [m for _, m in floats]))
+        self.pairs = [a for a, _ in floats], [m for _, m in floats]  # the average's tensors, the model's
 
     def update(self, updates: int) -> None:
         """After an optimizer step that happened, the `updates`-th: the average moves toward the model,

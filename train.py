@@ -86,7 +86,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         lr = find_lr(cfg, task, model, train_batches, info, amp_dtype)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
-    ema = models.Ema.of(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
+    ema = models.Ema(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
     distributed.on_rank0(checkpoints.check_free_space, out_dir,
                          checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
 
@@ -219,9 +219,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 bar.close()
 
                 # Epoch end: rank 0's BatchNorm statistics on every rank, then evaluate, log and save.
-                distributed.sync_buffers(model)
+                distributed.share_from_rank0(model.buffers())
                 if ema:
-                    distributed.sync_buffers(ema.average)
+                    distributed.share_from_rank0(ema.average.buffers())
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
                 examples = cfg.batch_size * (batches_per_epoch - first_batch)  # all processes'
@@ -288,7 +288,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             chosen = ema.average if ema else model
             if rank == 0:
                 chosen.load_state_dict(models.weights_of(checkpoints.load_checkpoint(out_dir / "best.pt")))
-            distributed.share_from_rank0(chosen)
+            distributed.share_from_rank0(chosen.state_dict().values())
             test = evaluate(evaluated, test_batches, task, cfg, info, device, amp_dtype)
             logs.log_evaluation(test, task, info.names, test_batches.to_pixels, progress.step, tensorboard,
                                 split="test")
