@@ -87,8 +87,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
     ema = models.Ema.of(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
-    distributed.on_rank0(checkpoints.check_free_space, out_dir,
-                         checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
+    distributed.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # Resume: every state as it was saved (the RNGs' too), on data that gives the same epochs.
     progress, saved = Progress(), None  # saved: where the last.pt on disk stands
