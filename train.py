@@ -122,7 +122,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         bit (the RNGs' too), where it stood, and its config; never one of nan or inf weights. TensorBoard
         writes its points first: its log holds every step saved. Returns where the file stands."""
         if not checkpoints.all_finite(model.state_dict().values()):
-            raise diverged("the weights hold nan or inf", lr, optimizer, progress, saved, out_dir)
+            raise diverged("the weights hold nan or inf")
         tensorboard.write()
         if rank == 0:  # the other ranks hold the same states
             with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
@@ -142,6 +142,21 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     "step": progress.step, "total_steps": total_steps,  # what --evaluate and run checks read
                 }, out_dir / name)
         return replace(progress)
+
+    def diverged(what: str) -> UserError:
+        """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
+        first loss that is not finite came before any step: the data or the model, not the rate."""
+        at_lr = optimizer.param_groups[0]["lr"]
+        kept = ("this run wrote no checkpoint" if saved is None
+                else f"{out_dir / 'last.pt'} still holds step {saved.step}")
+        if progress.start_loss is not None and not math.isfinite(progress.start_loss):
+            return UserError(f"the first batch's loss is {progress.start_loss}, before any optimizer step: "
+                             "not the learning rate but the data or the model (nan or inf in the inputs or "
+                             "targets, or a layer that makes them); check them, e.g. the dataset's files; "
+                             f"{kept}")
+        return UserError(f"training diverged at step {progress.step} ({what}; lr {at_lr:.3g}): try a lower "
+                         f"--lr than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same "
+                         f"options to find one; {kept}")
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates, seeds, started = None, [], {}, time.perf_counter()
@@ -205,8 +220,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                         bar.update(progress.batch - bar.n)
                         why = divergence(train_loss, progress.start_loss)
                         if distributed.any_rank(why is not None, device):  # all ranks stop at one step
-                            raise diverged(why or "diverged on another process", lr, optimizer, progress,
-                                           saved, out_dir)
+                            raise diverged(why or "diverged on another process")
 
                     # Ctrl-C, SIGTERM or SIGHUP: save, then stop (Signals.now says when, under torchrun too).
                     periodic = bool(cfg.save_every) and progress.step % cfg.save_every == 0
@@ -232,8 +246,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
                 if not math.isfinite(val.metrics["loss"]):
                     say(line)
-                    raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", lr, optimizer,
-                                   progress, saved, out_dir)
+                    raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}")
                 score, best = val.metrics[task.MAIN_METRIC], progress.best
                 gain = math.inf if best is None else (score - best if task.HIGHER_IS_BETTER else best - score)
                 progress.epoch, progress.batch = epoch + 1, 0
@@ -256,9 +269,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         except UnreadableImage as err:  # an image the data cannot decode stops the run as Ctrl-C does
             if saved is None or (saved.epoch, saved.batch) != (progress.epoch, progress.batch):
                 saved = save("last.pt")
-            then = ("nothing was trained yet; replace or delete it and run again" if saved is None else
-                    f"{holds(saved, out_dir)}; replace or delete it, then {resuming(out_dir, world_size)}")
-            raise UnreadableImage(f"{err}; {then}") from None
+            raise UnreadableImage(f"{err}; {holds(saved, out_dir)}; replace or delete it, then "
+                                  f"{resuming(out_dir, world_size)}") from None
         except RuntimeError as err:  # a collective failed: under torchrun, another process may be gone
             if not distributed.peer_lost(err):
                 raise
@@ -418,22 +430,6 @@ def divergence(train_loss: float, start_loss: float) -> str | None:
     if start_loss > 0 and train_loss > DIVERGENCE_FACTOR * start_loss:
         return f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start_loss:.4g}"
     return None
-
-
-def diverged(what: str, lr: float, optimizer, progress: Progress, saved: Progress | None,
-             out_dir: Path) -> UserError:
-    """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
-    first loss that is not finite came before any step: the data or the model, not the rate."""
-    at_lr = optimizer.param_groups[0]["lr"]
-    kept = ("this run wrote no checkpoint" if saved is None
-            else f"{out_dir / 'last.pt'} still holds step {saved.step}")
-    if progress.start_loss is not None and not math.isfinite(progress.start_loss):
-        return UserError(f"the first batch's loss is {progress.start_loss}, before any optimizer step: not "
-                         "the learning rate but the data or the model (nan or inf in the inputs or targets, "
-                         f"or a layer that makes them); check them, e.g. the dataset's files; {kept}")
-    return UserError(f"training diverged at step {progress.step} ({what}; lr {at_lr:.3g}): try a lower --lr "
-                     f"than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
-                     f"to find one; {kept}")
 
 
 # ---------------------------------------------------------------- --evaluate, --predict and the command line
