@@ -1,12 +1,10 @@
 """Train a model: `python train.py [--config configs/X.toml] [--field value ...]`.
 
-Read top to bottom: setup (config, data, model, optimizer, schedule, resume), then the loop: for
-each optimizer step its micro-batches, a log point now and then, a save on Ctrl-C or SIGTERM; at
-each epoch's end an evaluation and a checkpoint; at the end the summary. What the outputs mean
-(the loss, the metrics, the pictures) is task.py; what surrounds the loop is in checkpoints.py,
-distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
-`python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead;
-`python train.py --predict PATH [--checkpoint runs/x/best.pt]` predicts images with it.
+train() reads top to bottom: setup, then for each optimizer step its micro-batches, and at each epoch's
+end an evaluation and a checkpoint. The loss, the metrics and the pictures are task.py's; checkpoints.py,
+distributed.py and logs.py hold what surrounds the loop. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
+`--evaluate runs/x/best.pt` measures a checkpoint on a split instead; `--predict PATH [--checkpoint
+runs/x/best.pt]` predicts images with it.
 """
 
 from __future__ import annotations
