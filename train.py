@@ -442,7 +442,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
-    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task or classes to check
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check
     if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
         print(edited)
     cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
@@ -452,8 +452,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
         raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ folder "
                         "beside train/ and val/; csv: a test.csv); evaluate --split val")
     batches = test_batches if cfg.split == "test" else val_batches
-    if ours:
-        checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
+    checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
     check_model(model, batches, task, cfg, info)
