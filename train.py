@@ -30,7 +30,6 @@ import task as default_task
 from configs import Config, UserError, first_line, parse_given, resolve
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
-from distributed import continue_command
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
 from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
 
@@ -324,7 +323,7 @@ def holds(saved: Progress, out_dir: Path) -> str:
 
 
 def resuming(out_dir: Path, world_size: int) -> str:
-    return f"continue with `{continue_command(out_dir, world_size)}`"
+    return f"continue with `{distributed.continue_command(out_dir, world_size)}`"
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
