@@ -31,7 +31,7 @@ from configs import Config, UserError, first_line, parse_given, resolve
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
-from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
+from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
 
 @dataclass
@@ -331,7 +331,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
     def steps(epochs: float) -> int:
         return epochs_to_steps(epochs, batches_per_epoch, cfg.accum_steps)
 
-    total, warmup = steps_per_epoch(batches_per_epoch, cfg.accum_steps) * cfg.epochs, steps(cfg.warmup_epochs)
+    total, warmup = steps(cfg.epochs), steps(cfg.warmup_epochs)
     if warmup >= total:
         raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
                         "lower it")
