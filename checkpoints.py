@@ -100,31 +100,15 @@ FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
          errno.EROFS: "use a writable disk", errno.ENOTDIR: "move the file in the way",
          errno.EISDIR: "move the folder in the way"}
 
-def check_writable_dir(path: str | Path, what: str = "--out-dir") -> None:
-    """Prove that `path` can be created and written, before any time is spent training. Folders it had
-    to create are removed again, so a run that then stops on another error leaves nothing behind."""
-    path = Path(path)
-    created = [folder for folder in (path, *path.parents) if not folder.exists()]
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except FileExistsError:
-        raise UserError(f"cannot create {what} {path}: a file is in the way; pick another {what}") from None
-    except OSError as err:
-        raise write_error(path, err, label=f"{what} {path}") from None
-    finally:
-        for folder in created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-
-
-def check_free_space(path: str | Path, needed: int, what: str) -> None:
-    """Refuse at start-up when `path`'s disk cannot hold `needed` bytes (one checkpoint, say)."""
-    free = _free_bytes(Path(path))
+def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse at start-up when out_dir's disk cannot hold last.pt: about the weights plus the optimizer's
+    copies of them (SGD's momentum, Adam's two moments), counted from its defaults before it has any state."""
+    defaults = optimizer.defaults
+    copies = 2 if "betas" in defaults else int(bool(defaults.get("momentum", 0)))
+    needed = sum(t.nbytes for t in model.state_dict().values()) * (1 + copies)
+    free = _free_bytes(out_dir)
     if free is not None and free < needed:
-        raise UserError(f"{path} has {_size(free)} free but {what} needs about {_size(needed)}; "
+        raise UserError(f"{out_dir} has {_size(free)} free but a checkpoint needs about {_size(needed)}; "
                         "free some space or pick another --out-dir")
 
 
@@ -210,9 +194,8 @@ def _tensor_bytes(value) -> int:
 def _free_bytes(path: Path) -> int | None:
     """Free bytes on the disk holding `path`, or its nearest existing parent; None if unknown."""
     for folder in (path, *path.absolute().parents):
-        with contextlib.suppress(OSError):
-            if folder.exists():
-                return shutil.disk_usage(folder).free
+        with contextlib.suppress(OSError):  # a folder not made yet: its parent's disk
+            return shutil.disk_usage(folder).free
     return None
 
 
@@ -364,7 +347,23 @@ def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
     """Before any data is loaded: --out-dir can be written, holds no unfinished run (whose last.pt --resume
     would continue) that this one would overwrite, and no other live run. This process then owns the folder
     (distributed.lock_out_dir) and removes the temporary files that a save killed midway left there."""
-    check_writable_dir(out_dir)
+    # A file written and deleted proves the folder writable; the folders made for it go again, so that a
+    # run that then stops on another error leaves nothing behind.
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise UserError(f"cannot create --out-dir {out_dir}: a file is in the way; pick another "
+                        "--out-dir") from None
+    except OSError as err:
+        raise write_error(out_dir, err, label=f"--out-dir {out_dir}") from None
+    finally:
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     lock_out_dir(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
     last, saved = out_dir / "last.pt", {}
     if last.is_file() and (resumed_from is None or resumed_from.resolve() != last.resolve()):
@@ -381,12 +380,3 @@ def claim_out_dir(out_dir: Path, resumed_from: Path | None = None) -> None:
     for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
         if not tmp.name.endswith(f".{os.getpid()}.tmp"):
             tmp.unlink(missing_ok=True)
-
-
-def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """About the size of last.pt: the weights plus the optimizer's copies of them (SGD's momentum,
-    Adam's two moments), counted from its defaults before it has any state."""
-    weights = sum(t.nbytes for t in model.state_dict().values())
-    defaults = optimizer.defaults
-    copies = 2 if "betas" in defaults else int(bool(defaults.get("momentum", 0)))
-    return weights * (1 + copies)

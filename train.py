@@ -1,12 +1,10 @@
 """Train a model: `python train.py [--config configs/X.toml] [--field value ...]`.
 
-Read top to bottom: setup (config, data, model, optimizer, schedule, resume), then the loop: for
-each optimizer step its micro-batches, a log point now and then, a save on Ctrl-C or SIGTERM; at
-each epoch's end an evaluation and a checkpoint; at the end the summary. What the outputs mean
-(the loss, the metrics, the pictures) is task.py; what surrounds the loop is in checkpoints.py,
-distributed.py and logs.py. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
-`python train.py --evaluate runs/x/best.pt` measures a checkpoint on the validation split instead;
-`python train.py --predict PATH [--checkpoint runs/x/best.pt]` predicts images with it.
+train() reads top to bottom: setup, then for each optimizer step its micro-batches, and at each epoch's
+end an evaluation and a checkpoint. The loss, the metrics and the pictures are task.py's; checkpoints.py,
+distributed.py and logs.py hold what surrounds the loop. Multi-GPU: `torchrun --nproc_per_node=N train.py`.
+`--evaluate runs/x/best.pt` measures a checkpoint on a split instead; `--predict PATH [--checkpoint
+runs/x/best.pt]` predicts images with it.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ import task as default_task
 from configs import Config, UserError, first_line, parse_given, resolve
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
-from distributed import continue_command
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
-from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start, steps_per_epoch
+from schedules import build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
 
 @dataclass
@@ -87,8 +84,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
     ema = models.Ema(model, cfg.ema) if cfg.ema else None  # evaluated and kept for use, never trained
-    distributed.on_rank0(checkpoints.check_free_space, out_dir,
-                         checkpoints.checkpoint_bytes(model, optimizer), "a checkpoint")
+    distributed.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # Resume: every state as it was saved (the RNGs' too), on data that gives the same epochs.
     progress, saved = Progress(), None  # saved: where the last.pt on disk stands
@@ -123,7 +119,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         bit (the RNGs' too), where it stood, and its config; never one of nan or inf weights. TensorBoard
         writes its points first: its log holds every step saved. Returns where the file stands."""
         if not checkpoints.all_finite(model.state_dict().values()):
-            raise diverged("the weights hold nan or inf", lr, optimizer, progress, saved, out_dir)
+            raise diverged("the weights hold nan or inf")
         tensorboard.write()
         if rank == 0:  # the other ranks hold the same states
             with distributed.SIGNALS.in_mode("hold"):  # a signal now waits for the file to be whole
@@ -143,6 +139,21 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     "step": progress.step, "total_steps": total_steps,  # what --evaluate and run checks read
                 }, out_dir / name)
         return replace(progress)
+
+    def diverged(what: str) -> UserError:
+        """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
+        first loss that is not finite came before any step: the data or the model, not the rate."""
+        at_lr = optimizer.param_groups[0]["lr"]
+        kept = ("this run wrote no checkpoint" if saved is None
+                else f"{out_dir / 'last.pt'} still holds step {saved.step}")
+        if progress.start_loss is not None and not math.isfinite(progress.start_loss):
+            return UserError(f"the first batch's loss is {progress.start_loss}, before any optimizer step: "
+                             "not the learning rate but the data or the model (nan or inf in the inputs or "
+                             "targets, or a layer that makes them); check them, e.g. the dataset's files; "
+                             f"{kept}")
+        return UserError(f"training diverged at step {progress.step} ({what}; lr {at_lr:.3g}): try a lower "
+                         f"--lr than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same "
+                         f"options to find one; {kept}")
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
     val, epoch_rates, seeds, started = None, [], {}, time.perf_counter()
@@ -206,8 +217,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                         bar.update(progress.batch - bar.n)
                         why = divergence(train_loss, progress.start_loss)
                         if distributed.any_rank(why is not None, device):  # all ranks stop at one step
-                            raise diverged(why or "diverged on another process", lr, optimizer, progress,
-                                           saved, out_dir)
+                            raise diverged(why or "diverged on another process")
 
                     # Ctrl-C, SIGTERM or SIGHUP: save, then stop (Signals.now says when, under torchrun too).
                     periodic = bool(cfg.save_every) and progress.step % cfg.save_every == 0
@@ -233,8 +243,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
                 if not math.isfinite(val.metrics["loss"]):
                     say(line)
-                    raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}", lr, optimizer,
-                                   progress, saved, out_dir)
+                    raise diverged(f"val loss {val.metrics['loss']} after epoch {epoch + 1}")
                 score, best = val.metrics[task.MAIN_METRIC], progress.best
                 gain = math.inf if best is None else (score - best if task.HIGHER_IS_BETTER else best - score)
                 progress.epoch, progress.batch = epoch + 1, 0
@@ -257,9 +266,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         except UnreadableImage as err:  # an image the data cannot decode stops the run as Ctrl-C does
             if saved is None or (saved.epoch, saved.batch) != (progress.epoch, progress.batch):
                 saved = save("last.pt")
-            then = ("nothing was trained yet; replace or delete it and run again" if saved is None else
-                    f"{holds(saved, out_dir)}; replace or delete it, then {resuming(out_dir, world_size)}")
-            raise UnreadableImage(f"{err}; {then}") from None
+            raise UnreadableImage(f"{err}; {holds(saved, out_dir)}; replace or delete it, then "
+                                  f"{resuming(out_dir, world_size)}") from None
         except RuntimeError as err:  # a collective failed: under torchrun, another process may be gone
             if not distributed.peer_lost(err):
                 raise
@@ -315,7 +323,7 @@ def holds(saved: Progress, out_dir: Path) -> str:
 
 
 def resuming(out_dir: Path, world_size: int) -> str:
-    return f"continue with `{continue_command(out_dir, world_size)}`"
+    return f"continue with `{distributed.continue_command(out_dir, world_size)}`"
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
@@ -323,7 +331,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
     def steps(epochs: float) -> int:
         return epochs_to_steps(epochs, batches_per_epoch, cfg.accum_steps)
 
-    total, warmup = steps_per_epoch(batches_per_epoch, cfg.accum_steps) * cfg.epochs, steps(cfg.warmup_epochs)
+    total, warmup = steps(cfg.epochs), steps(cfg.warmup_epochs)
     if warmup >= total:
         raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
                         "lower it")
@@ -421,22 +429,6 @@ def divergence(train_loss: float, start_loss: float) -> str | None:
     return None
 
 
-def diverged(what: str, lr: float, optimizer, progress: Progress, saved: Progress | None,
-             out_dir: Path) -> UserError:
-    """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
-    first loss that is not finite came before any step: the data or the model, not the rate."""
-    at_lr = optimizer.param_groups[0]["lr"]
-    kept = ("this run wrote no checkpoint" if saved is None
-            else f"{out_dir / 'last.pt'} still holds step {saved.step}")
-    if progress.start_loss is not None and not math.isfinite(progress.start_loss):
-        return UserError(f"the first batch's loss is {progress.start_loss}, before any optimizer step: not "
-                         "the learning rate but the data or the model (nan or inf in the inputs or targets, "
-                         f"or a layer that makes them); check them, e.g. the dataset's files; {kept}")
-    return UserError(f"training diverged at step {progress.step} ({what}; lr {at_lr:.3g}): try a lower --lr "
-                     f"than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` with the same options "
-                     f"to find one; {kept}")
-
-
 # ---------------------------------------------------------------- --evaluate, --predict and the command line
 
 
@@ -449,7 +441,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
-    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task or classes to check
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check
     if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
         print(edited)
     cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
@@ -459,8 +451,7 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
         raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ folder "
                         "beside train/ and val/; csv: a test.csv); evaluate --split val")
     batches = test_batches if cfg.split == "test" else val_batches
-    if ours:
-        checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
+    checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
     model = build_model(cfg, info.input_shape[0], len(info.names), device)
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
     check_model(model, batches, task, cfg, info)
