@@ -66,7 +66,7 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-# lr_find.py keeps a private copy of these two, so that it can be copied into a project alone.
+# lr_find.py puts back the same RNGs in memory (its own copy, so that it can be copied into a project alone).
 
 def capture_rng_state() -> dict:
     """Every global RNG a training step may draw from, as tensors and plain values only (so it
