@@ -30,7 +30,6 @@ class Targets:
     """What the check found: how batches treat the targets, and what the task may want to know."""
 
     kind: str  # task.TARGETS
-    dtype: torch.dtype  # what the loss gets: int64 class ids or float32 values
     dense: bool  # one per pixel: the image steps move them too
     class_counts: torch.Tensor | None  # training examples (pixels, if dense) per class; None: unknown
     class_ids: torch.Tensor | None  # each training example's class (one per example), for balanced sampling
@@ -49,7 +48,7 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
         elif (listed := getattr(pair, "targets", None)) is not None:  # ImageFolder's convention
-            every[split] = targets = _read_as(torch.as_tensor(listed), kind, len(names), split)
+            every[split] = targets = _read_as(listed, kind, len(names), split)
         else:  # a Dataset that lists no targets: its first item's stand for the rest
             targets = _read_as(torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         _check_values(targets, kind, len(names), split)
@@ -58,10 +57,9 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             dense = image_size is not None and tuple(targets[0].shape[-2:]) == tuple(image_size)
     ids = every.get("train") if kind == "classes" else None
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
-    dtype = torch.int64 if kind == "classes" else torch.float32
     what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
-    return Targets(kind, dtype, dense, counts, None if dense else ids), said
+    return Targets(kind, dense, counts, None if dense else ids), said
 
 
 def check_model(model: nn.Module, batches, task, cfg, info) -> str:
@@ -97,12 +95,12 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
-def as_taken(targets: torch.Tensor, spec: Targets) -> torch.Tensor:
-    """A batch's targets as the task takes them: tensor splits already are (no op then); a Dataset's
-    batches are converted here."""
-    if spec.kind == "values" and targets.ndim == 1:
+def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
+    """Targets as the task (`kind`: task.TARGETS) takes them: int64 class ids, or float32 values, [N] as
+    [N, 1]. Tensor splits already are (no op then); a Dataset's batches are converted here."""
+    if kind == "values" and targets.ndim == 1:
         targets = targets[:, None]
-    return targets.to(spec.dtype)
+    return targets.to(torch.int64 if kind == "classes" else torch.float32)
 
 
 # ---------------------------------------------------------------- the checks
@@ -115,11 +113,10 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
                             "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
-        return targets.long()
-    if targets.ndim == 1 and outputs != 1:
+    elif targets.ndim == 1 and outputs != 1:
         raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
                         f"Source), and the {split} targets are {list(targets.shape)}: one each")
-    return (targets[:, None] if targets.ndim == 1 else targets).float()  # [N]: one output's, as [N, 1]
+    return as_taken(targets, kind)
 
 
 def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:

@@ -226,7 +226,6 @@ class ImageSteps:
     flip: bool = False
     channels_last: bool = False
     resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
-    dense: bool = False  # targets per pixel: cropped and flipped with their images
 
 
 def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
@@ -354,14 +353,18 @@ class Batches:
         `crops` ((offsets, flips); dense targets with them), then normalized."""
         inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
         if self.targets is not None:
-            targets = as_taken(targets, self.targets)
+            targets = as_taken(targets, self.targets.kind)
         if self.image is None:
             return (inputs.float() if inputs.is_floating_point() else inputs), targets
         if crops is not None:
             inputs = augment(inputs, *crops, self.image.pad)
-            if self.image.dense:
+            if self.targets is not None and self.targets.dense:
                 targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
-        return self._normalize(inputs), targets
+        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
+        x = inputs.to(dtype=torch.float32, memory_format=memory)
+        if self.image.resize:
+            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
+        return x.mul_(self.scale).sub_(self.shift), targets
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
@@ -376,13 +379,6 @@ class Batches:
                 worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
         return iter(self._loader)
-
-    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
-        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
-        x = images.to(dtype=torch.float32, memory_format=memory)
-        if self.image.resize:
-            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
-        return x.mul_(self.scale).sub_(self.shift)
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
         """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
@@ -420,8 +416,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
             source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
         resize, mean, std = fit_images(cfg, channels, size, *source.stats, notes)  # what the model asks
         flip = source.flip and cfg.flip and cfg.augment
-        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize,
-                           dense=spec.dense)
+        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
         notes.append(_image_steps(image, spec, cfg))
     else:
         notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
@@ -601,13 +596,10 @@ class _Files(torch.utils.data.Dataset):
 
     def __init__(self, items: list[tuple[Path, int]], transform, mode: str):
         self.items, self.transform, self.mode = items, transform, mode
+        self.targets = [label for _, label in items]  # read without the images, as ImageFolder's
 
     def __len__(self) -> int:
         return len(self.items)
-
-    @property
-    def targets(self) -> list[int]:  # the class ids, read without the images (ImageFolder's convention)
-        return [label for _, label in self.items]
 
     def __getitem__(self, i: int):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
