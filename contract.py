@@ -41,21 +41,19 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
     line saying what was checked. `image_size`: the images' (H, W), or None where inputs are not images."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
-    checked, every = [], {}  # every: a split's targets where all of them are known
+    checked = []
     for split, pair in splits.items():
+        listed = pair[1] if isinstance(pair, tuple) else getattr(pair, "targets", None)  # as ImageFolder
+        whole = listed is not None  # else a Dataset's first item's targets stand for the rest
+        targets = _read_as(listed if whole else torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         if isinstance(pair, tuple):  # tensors: converted once here, checked whole
-            every[split] = targets = _read_as(pair[1], kind, len(names), split)
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
-        elif (listed := getattr(pair, "targets", None)) is not None:  # ImageFolder's convention
-            every[split] = targets = _read_as(listed, kind, len(names), split)
-        else:  # a Dataset that lists no targets: its first item's stand for the rest
-            targets = _read_as(torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         _check_values(targets, kind, len(names), split)
-        checked.append(f"{len(targets)} {split}" if split in every else f"{split}'s first")
+        checked.append(f"{len(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
             dense = image_size is not None and tuple(targets[0].shape[-2:]) == tuple(image_size)
-    ids = every.get("train") if kind == "classes" else None
+            ids = targets if whole and kind == "classes" else None
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
