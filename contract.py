@@ -120,7 +120,7 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
 def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     for what, t in (("inputs", inputs), ("targets", targets)):
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
-            bad = (~finite).flatten(1).any(1) if t.ndim > 1 else ~finite
+            bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value
             raise UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(t)} examples "
                             f"(the first: {bad.nonzero()[0].item()}): clean or drop them in the dataset")
 

@@ -606,7 +606,7 @@ class _Files(torch.utils.data.Dataset):
 def _image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()) -> Source:
     """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
     read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
-    with ImageNet's statistics (their mean if gray); flipped in training unless --no-flip."""
+    with ImageNet's statistics (their mean if gray); flips allowed (--flip decides)."""
     from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
