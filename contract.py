@@ -30,7 +30,6 @@ class Targets:
     """What the check found: how batches treat the targets, and what the task may want to know."""
 
     kind: str  # task.TARGETS
-    dtype: torch.dtype  # what the loss gets: int64 class ids or float32 values
     dense: bool  # one per pixel: the image steps move them too
     class_counts: torch.Tensor | None  # training examples (pixels, if dense) per class; None: unknown
     class_ids: torch.Tensor | None  # each training example's class (one per example), for balanced sampling
@@ -42,26 +41,23 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
     line saying what was checked. `image_size`: the images' (H, W), or None where inputs are not images."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
-    checked, every = [], {}  # every: a split's targets where all of them are known
+    checked = []
     for split, pair in splits.items():
+        listed = pair[1] if isinstance(pair, tuple) else getattr(pair, "targets", None)  # as ImageFolder
+        whole = listed is not None  # else a Dataset's first item's targets stand for the rest
+        targets = _read_as(listed if whole else torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         if isinstance(pair, tuple):  # tensors: converted once here, checked whole
-            every[split] = targets = _read_as(pair[1], kind, len(names), split)
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
-        elif (listed := getattr(pair, "targets", None)) is not None:  # ImageFolder's convention
-            every[split] = targets = _read_as(torch.as_tensor(listed), kind, len(names), split)
-        else:  # a Dataset that lists no targets: its first item's stand for the rest
-            targets = _read_as(torch.as_tensor(pair[0][1])[None], kind, len(names), split)
         _check_values(targets, kind, len(names), split)
-        checked.append(f"{len(targets)} {split}" if split in every else f"{split}'s first")
+        checked.append(f"{len(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
             dense = image_size is not None and tuple(targets[0].shape[-2:]) == tuple(image_size)
-    ids = every.get("train") if kind == "classes" else None
+            ids = targets if whole and kind == "classes" else None
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
-    dtype = torch.int64 if kind == "classes" else torch.float32
     what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
-    return Targets(kind, dtype, dense, counts, None if dense else ids), said
+    return Targets(kind, dense, counts, None if dense else ids), said
 
 
 def check_model(model: nn.Module, batches, task, cfg, info) -> str:
@@ -97,12 +93,12 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
-def as_taken(targets: torch.Tensor, spec: Targets) -> torch.Tensor:
-    """A batch's targets as the task takes them: tensor splits already are (no op then); a Dataset's
-    batches are converted here."""
-    if spec.kind == "values" and targets.ndim == 1:
+def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
+    """Targets as the task (`kind`: task.TARGETS) takes them: int64 class ids, or float32 values, [N] as
+    [N, 1]. Tensor splits already are (no op then); a Dataset's batches are converted here."""
+    if kind == "values" and targets.ndim == 1:
         targets = targets[:, None]
-    return targets.to(spec.dtype)
+    return targets.to(torch.int64 if kind == "classes" else torch.float32)
 
 
 # ---------------------------------------------------------------- the checks
@@ -115,17 +111,16 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
                             "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
-        return targets.long()
-    if targets.ndim == 1 and outputs != 1:
+    elif targets.ndim == 1 and outputs != 1:
         raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
                         f"Source), and the {split} targets are {list(targets.shape)}: one each")
-    return (targets[:, None] if targets.ndim == 1 else targets).float()  # [N]: one output's, as [N, 1]
+    return as_taken(targets, kind)
 
 
 def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     for what, t in (("inputs", inputs), ("targets", targets)):
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
-            bad = (~finite).flatten(1).any(1) if t.ndim > 1 else ~finite
+            bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value
             raise UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(t)} examples "
                             f"(the first: {bad.nonzero()[0].item()}): clean or drop them in the dataset")
 

@@ -120,7 +120,6 @@ def image_folder(cfg: Config) -> Source:
                             f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
                             "classifier needs two or more: point --data-dir at the folder that holds train/ "
                             "and val/ with one folder per class")
-    for split, found in zip(splits[1:], held_names, strict=True):
         if found != names:
             raise UserError(f"imagefolder: train classes {names} differ from {split} {found}")
     classes = {os.path.realpath(root / at / name): name for at in splits for name in names}
@@ -133,7 +132,7 @@ def image_folder(cfg: Config) -> Source:
             raise UserError(f"imagefolder: {_shown(root / split)} holds no images{_skipped(skipped)}; the "
                             f"{split} split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, "
                             "HEIC say, to JPEG)")
-    return _image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names, flip=True,
+    return _image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names,
                         notes=[note for _, said in scanned.values() for note in said])
 
 
@@ -163,7 +162,7 @@ def csv_images(cfg: Config) -> Source:
                          f"({', '.join(map(_shown, shared[:3]))}): their {split} scores are no held-out "
                          "measure; list each file in one of them")
     return _image_files(cfg, {split: [(file, index[label]) for file, label in listed]
-                              for split, listed in rows.items()}, names, flip=cfg.flip, notes=notes)
+                              for split, listed in rows.items()}, names, notes=notes)
 
 
 def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +225,6 @@ class ImageSteps:
     flip: bool = False
     channels_last: bool = False
     resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
-    dense: bool = False  # targets per pixel: cropped and flipped with their images
 
 
 def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
@@ -282,7 +280,7 @@ class Serving:
 class Batches:
     """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
     batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
-    `targets`: how the task takes them (contract.check_splits); `class_ids`: draw classes equally often."""
+    `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
 
     def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
                  image: ImageSteps | None = None, targets: Targets | None = None,
@@ -354,14 +352,18 @@ class Batches:
         `crops` ((offsets, flips); dense targets with them), then normalized."""
         inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
         if self.targets is not None:
-            targets = as_taken(targets, self.targets)
+            targets = as_taken(targets, self.targets.kind)
         if self.image is None:
             return (inputs.float() if inputs.is_floating_point() else inputs), targets
         if crops is not None:
             inputs = augment(inputs, *crops, self.image.pad)
-            if self.image.dense:
+            if self.targets is not None and self.targets.dense:
                 targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
-        return self._normalize(inputs), targets
+        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
+        x = inputs.to(dtype=torch.float32, memory_format=memory)
+        if self.image.resize:
+            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
+        return x.mul_(self.scale).sub_(self.shift), targets
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
@@ -376,13 +378,6 @@ class Batches:
                 worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
         return iter(self._loader)
-
-    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
-        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
-        x = images.to(dtype=torch.float32, memory_format=memory)
-        if self.image.resize:
-            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
-        return x.mul_(self.scale).sub_(self.shift)
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
         """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
@@ -420,8 +415,7 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
             source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
         resize, mean, std = fit_images(cfg, channels, size, *source.stats, notes)  # what the model asks
         flip = source.flip and cfg.flip and cfg.augment
-        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize,
-                           dense=spec.dense)
+        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
         notes.append(_image_steps(image, spec, cfg))
     else:
         notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
@@ -438,13 +432,12 @@ def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: 
         needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
         mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
     serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
-    balanced = spec.class_ids if cfg.balance_classes else None
     served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
     for split, pair in splits.items():
         held = ([t.to(device) for t in pair] if mode == "device" else
                 (pair if files else torch.utils.data.TensorDataset(*pair), None))
         served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
-                                class_ids=balanced if split == "train" else None)
+                                class_ids=spec.class_ids if cfg.balance_classes else None)
     if mode == "dataloader":
         check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(served["train"]) == 0:
@@ -516,7 +509,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
-    source = _image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, [], flip=False).train
+    source = _image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, []).train
     serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
@@ -601,22 +594,19 @@ class _Files(torch.utils.data.Dataset):
 
     def __init__(self, items: list[tuple[Path, int]], transform, mode: str):
         self.items, self.transform, self.mode = items, transform, mode
+        self.targets = [label for _, label in items]  # read without the images, as ImageFolder's
 
     def __len__(self) -> int:
         return len(self.items)
-
-    @property
-    def targets(self) -> list[int]:  # the class ids, read without the images (ImageFolder's convention)
-        return [label for _, label in self.items]
 
     def __getitem__(self, i: int):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
-def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: bool, notes=()) -> Source:
+def _image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()) -> Source:
     """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
     read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
-    with ImageNet's statistics (their mean if gray)."""
+    with ImageNet's statistics (their mean if gray); flips allowed (--flip decides)."""
     from torchvision import transforms as T
 
     if cfg.channels not in (1, 3):
@@ -628,7 +618,7 @@ def _image_files(cfg: Config, splits: dict[str, list], names: list[str], flip: b
     mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
     files = {split: _Files(items, transform, mode) for split, items in splits.items()}
-    return Source(files["train"], files["val"], names, pad=max(size // 8, 1), flip=flip, stats=stats,
+    return Source(files["train"], files["val"], names, pad=max(size // 8, 1), flip=True, stats=stats,
                   notes=list(notes), test=files.get("test"))
 
 
@@ -659,14 +649,13 @@ def _csv_rows(root: Path, name: str, labels: bool = True,
         raise UserError(f"csv: {_shown(root / name)} {what}")
     if not labels:  # --predict's list: every row as it is
         return rows
-    known = {}  # each file's label
+    known = {}  # each file's first row, in order
     for file, label in rows:
-        if (first := known.setdefault(os.path.normpath(file), label)) != label:
+        if (first := known.setdefault(os.path.normpath(file), (file, label))[1]) != label:
             raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({first!r} and "
                             f"{label!r}); keep one row per file, with its class")
     if repeats := len(rows) - len(known):
         notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
                      "label, each file is read once")
-        rows = list({os.path.normpath(file): (file, label) for file, label in rows}.values())  # in order
-    return rows
+    return list(known.values())
 
