@@ -259,7 +259,7 @@ def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
     are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to tiles of 64-160 px;
     one channel is shown as gray, other channel counts by their first."""
     import numpy as np
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
     pixels = pixels.float()
     side = max(pixels.shape[-2:])
@@ -271,7 +271,7 @@ def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
     pixels = pixels[:, :3] if pixels.shape[1] == 3 else pixels[:, :1].expand(-1, 3, -1, -1)
     tiles = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     n, h, w = tiles.shape[:3]
-    font, gap, text = _font(11), 4, 14
+    font, gap, text = ImageFont.load_default(size=11), 4, 14
     columns = min(columns, n)
     rows = -(-n // columns)
     canvas = Image.new("RGB", (columns * (w + gap) + gap, rows * (h + text + gap) + gap), "white")
@@ -286,17 +286,18 @@ def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
 def confusion_picture(confusion: list[list[int]], names: list[str]):
     """Rows: true class; columns: predicted class; each row normalized to sum to 100%."""
     import numpy as np
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
     n = len(confusion)
     cell = max(4, min(32, 640 // n))
-    font = _font(10 if cell >= 12 else max(cell - 1, 6))
+    font = ImageFont.load_default(size=10 if cell >= 12 else max(cell - 1, 6))
     labels = [_fitted(name, 110, font) for name in names] if cell >= 8 else [""] * n
     margin = 8 + max([int(font.getlength(label)) for label in labels] + [0])
     head = 22
     canvas = Image.new("RGB", (margin + n * cell + 8, head + margin + n * cell + 8), "white")
     draw = ImageDraw.Draw(canvas)
-    draw.text((4, 4), "rows: true class, columns: predicted, % of each row", fill="black", font=_font(11))
+    draw.text((4, 4), "rows: true class, columns: predicted, % of each row", fill="black",
+              font=ImageFont.load_default(size=11))
     top = Image.new("RGB", (margin, n * cell), "white")  # column labels, drawn across, then turned
     top_draw = ImageDraw.Draw(top)
     for i, (row, label) in enumerate(zip(confusion, labels, strict=True)):
@@ -315,15 +316,6 @@ def confusion_picture(confusion: list[list[int]], names: list[str]):
                           fill="white" if share > 0.5 else "black")
     canvas.paste(top.rotate(90, expand=True), (margin, head))
     return np.asarray(canvas)
-
-
-def _font(size: int):
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=size)  # a scalable font (Pillow >= 10.1 with FreeType)
-    except TypeError:
-        return ImageFont.load_default()
 
 
 def _fitted(text: str, width: int, font) -> str:
