@@ -222,7 +222,7 @@ def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) ->
 
 
 def write_predictions(path: Path, header: list[str], rows: list[list], files: list[Path], skipped: str,
-                      tta: str, shown: int = 5) -> Path:
+                      tta: str, shown: int = 5) -> None:
     """--predict's predictions.csv, written whole: a `file` column, the task's columns, and under --tta
     flip a `tta` column saying so; then its first rows as a table, and the count."""
     extra = [tta] if tta != "none" else []
@@ -239,7 +239,6 @@ def write_predictions(path: Path, header: list[str], rows: list[list], files: li
     more = f" (the first {shown} above)" if len(rows) > shown else ""
     count = f"{len(rows)} {'file' if len(rows) == 1 else 'files'}"
     print(f"{count} predicted -> {path}{more}" + (f"; {skipped}" if skipped else ""))
-    return path
 
 
 # ---------------------------------------------------------------- pictures

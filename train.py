@@ -21,13 +21,12 @@ import torch
 from tqdm import tqdm
 
 import checkpoints
-import configs
 import distributed
 import logs
 import lr_find
 import models
 import task as default_task
-from configs import Config, UserError, first_line, parse_given, resolve
+from configs import Config, UserError, exit_with_error, first_line, parse_given, resolve, validate
 from contract import check_model
 from data import UnreadableImage, build_loaders, prediction_batches
 from models import amp_setup, autocast, build_model, build_optimizer, check_graphs, load_weights, runnable
@@ -57,7 +56,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # --resume auto with no last.pt yet is a first start: one command starts a run and continues it.
     first_start = cfg.resume == "auto" and not (Path(cfg.out_dir) / "last.pt").is_file()
     if first_start:
-        cfg = configs.validate(replace(cfg, resume=""))
+        cfg = validate(replace(cfg, resume=""))
     ckpt, path, cfg = checkpoints.load_resume(cfg, given, task) if cfg.resume else (None, None, cfg)
     rank, world_size, device = distributed.setup(cfg.device)
     say = print if rank == 0 else (lambda *a, **k: None)  # rank 0 alone prints, logs and saves
@@ -432,19 +431,17 @@ def divergence(train_loss: float, start_loss: float) -> str | None:
 # ---------------------------------------------------------------- --evaluate, --predict and the command line
 
 
-def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_task) -> dict:
+def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     """--evaluate PATH: the --split (val or test) once through a saved model; trains nothing. Writes
-    eval.json and the task's pictures next to the checkpoint (or into an --out-dir given here).
-    `given`: the settings the command line gave (None: all of cfg's)."""
-    given = cfg.to_dict() if given is None else given
+    eval.json and the task's pictures next to the checkpoint (or into an --out-dir `given` here)."""
     path = Path(cfg.evaluate)
     if not path.is_file():
         raise UserError(f"--evaluate {path}: no such file (a best.pt, last.pt or state_dict)")
     ckpt = checkpoints.load_checkpoint(path)
-    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check, cfg as given
     if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
         print(edited)
-    cfg = resolve.evaluated_config(cfg, given, ckpt.get("config"))  # ours: built as it was trained
+    cfg = resolve.evaluated_config(cfg, given, ckpt["config"]) if ours else validate(cfg)  # ours: as trained
     rank, world_size, device = distributed.setup(cfg.device)
     _, val_batches, test_batches, info = build_loaders(cfg, device, rank, world_size, targets=task.TARGETS)
     if cfg.split == "test" and test_batches is None:
@@ -463,15 +460,13 @@ def evaluate_checkpoint(cfg: Config, given: dict | None = None, task=default_tas
               **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
     if rank == 0:
         logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
-    return report
 
 
 @torch.no_grad()
-def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
+def predict(cfg: Config, given: dict, task=default_task) -> None:
     """--predict PATH: each image through a saved model, read as its run read its own (the checkpoint
     keeps how), one row each from the task, in predictions.csv next to the checkpoint (or in an
-    --out-dir given here). The outputs stay on the device until the last batch: one read in all."""
-    given = cfg.to_dict() if given is None else given
+    --out-dir `given` here). The outputs stay on the device until the last batch: one read in all."""
     path = Path(cfg.checkpoint)
     ckpt = checkpoints.load_predictor(path, task)
     cfg = resolve.evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
@@ -493,7 +488,7 @@ def predict(cfg: Config, given: dict | None = None, task=default_task) -> Path:
         batches.close()  # its workers stop now, not when the traceback's frames go
     header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    return logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+    logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
 
 
 def predicted(model, images: torch.Tensor, tta: str) -> torch.Tensor:
@@ -519,7 +514,7 @@ def main() -> None:
                 (predict if cfg.predict else evaluate_checkpoint)(cfg, given)
                 return
             if not cfg.resume:  # a resume checks its config once the checkpoint's fills the gaps
-                configs.validate(cfg)
+                validate(cfg)
             train(cfg, given)
     except UserError as err:
         if err.code == 0:  # nothing to do (a complete run resumed): said, and not an error
@@ -529,12 +524,12 @@ def main() -> None:
         # Under torchrun, one line from one process; a file only one rank read, from that rank.
         if distributed.rank() == 0 or isinstance(err, UnreadableImage):
             distributed.tell_torchrun(f"error: {err}")
-            configs.exit_with_error(str(err), err.code)
+            exit_with_error(str(err), err.code)
         raise SystemExit(err.code) from None
     except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
         if distributed.rank() != 0 and not isinstance(err, KeyboardInterrupt):
             raise  # torch's long report, from rank 0 alone
-        configs.exit_with_error(*distributed.failure_line(
+        exit_with_error(*distributed.failure_line(
             err, " outside the training loop; every checkpoint is as it was: run the command again, or "
             "continue with --resume"))
     finally:

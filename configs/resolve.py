@@ -50,14 +50,13 @@ EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loade
 MODE_SETTINGS = ("evaluate", "split", "predict", "checkpoint", "top_k", "tta")
 
 
-def evaluated_config(cfg: Config, given: dict, saved) -> Config:
-    """The config --evaluate and --predict run with: a checkpoint of ours (`saved`: its config) built as
-    it was trained, run where the command line says (EVALUATE_FROM_FLAGS); a plain state_dict with cfg."""
-    if isinstance(saved, dict):
-        here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
-        mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
-        cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, **mode, "resume": "",
-                        "init_from": "", "evaluate": cfg.evaluate and str(Path(cfg.evaluate))})
+def evaluated_config(cfg: Config, given: dict, saved: dict) -> Config:
+    """The config --evaluate and --predict run with a checkpoint of ours (`saved`: its config): built as
+    it was trained, run where the command line says (EVALUATE_FROM_FLAGS)."""
+    here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
+    mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
+    cfg = Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, **mode, "resume": "",
+                    "init_from": "", "evaluate": cfg.evaluate and str(Path(cfg.evaluate))})
     return validate(cfg)
 
 
