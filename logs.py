@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import math
 import threading
 import time
 import uuid
@@ -166,26 +165,25 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
 
 
 def run_summary(task, val, progress, seconds: float, facts: dict, *, test=None) -> dict:
-    """summary.json: the task's val metrics (val_<name>, NaN where no evaluation ran), the best main
-    metric and best.pt's test metrics (test_<name>, where the data has a test split), then how the run
-    went: `progress` (train.Progress) as it ended, this part's `seconds`, and `facts` (epochs,
-    examples_per_second, lr, world_size, device, ranks_in_sync, the splits' sizes)."""
-    metrics = {f"val_{name}": val.metrics[name] if val else math.nan for name in task.METRICS}
+    """summary.json: the task's last val metrics (val_<name>), the best main metric and best.pt's test
+    metrics (test_<name>, where the data has a test split), then how the run went: `progress`
+    (train.Progress) as it ended, this part's `seconds`, and `facts` (epochs, examples_per_second, lr,
+    world_size, device, ranks_in_sync, the splits' sizes). A run ends after one evaluation or more."""
+    metrics = {f"val_{name}": val.metrics[name] for name in task.METRICS}
     metrics |= {f"test_{name}": test.metrics[name] for name in task.METRICS} if test else {}
-    best = math.nan if progress.best is None else progress.best
     cover = SECONDS_COVER if progress.part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}"
     facts = dict(facts)
-    return {**metrics, f"best_val_{task.MAIN_METRIC}": best, "epochs": facts.pop("epochs"),
+    return {**metrics, f"best_val_{task.MAIN_METRIC}": progress.best, "epochs": facts.pop("epochs"),
             "epochs_run": progress.epoch, "stopped": progress.stopped,  # --early-stop: why it ended sooner
             "steps": progress.step, "seconds": seconds, "total_seconds": progress.seconds_before + seconds,
-            "parts": progress.part, "seconds_cover": cover, **facts, **(val.details if val else {})}
+            "parts": progress.part, "seconds_cover": cover, **facts, **val.details}
 
 
 def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tensorboard: TensorBoard) -> None:
     """A run's last words, on rank 0: TensorBoard's HPARAMS row, the task's saved pictures (such as
     confusion.png), summary.json, and one line."""
     out_dir, main = Path(cfg.out_dir), task.MAIN_METRIC
-    pictures = task.pictures(val, names, None) if val else {}
+    pictures = task.pictures(val, names, None)
     hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
     tested = f"test_{main}" in summary
     splits = ("val", "test") if tested else ("val",)

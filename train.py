@@ -155,7 +155,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                          f"options to find one; {kept}")
 
     # Training: for each optimizer step, its micro-batches; at each epoch's end, evaluate and save.
-    val, epoch_rates, seeds, started = None, [], {}, time.perf_counter()
+    epoch_rates, seeds, started = [], {}, time.perf_counter()
     bar_shown = rank == 0 and sys.stdout.isatty()  # a progress bar in a terminal, not in a log file
     losses, counts = [], []  # since the last log point, on the device: summed losses, their normalizers
     mid_step = False  # from a step's first forward to its optimizer step: its state is the step's, half done
