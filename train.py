@@ -114,9 +114,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
 
     def save(name: str) -> Progress:
-        """A checkpoint that continues where `progress` stands: every state a run continues from bit for
-        bit (the RNGs' too), where it stood, and its config; never one of nan or inf weights. TensorBoard
-        writes its points first: its log holds every step saved. Returns where the file stands."""
+        """A checkpoint of every state the run continues from bit for bit (the RNGs' too), where `progress`
+        stands; never of nan or inf weights. TensorBoard writes first: its log holds every step saved."""
         if not checkpoints.all_finite(model.state_dict().values()):
             raise diverged("the weights hold nan or inf")
         tensorboard.write()
@@ -265,8 +264,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         except UnreadableImage as err:  # an image the data cannot decode stops the run as Ctrl-C does
             if saved is None or (saved.epoch, saved.batch) != (progress.epoch, progress.batch):
                 saved = save("last.pt")
-            raise UnreadableImage(f"{err}; {holds(saved, out_dir)}; replace or delete it, then "
-                                  f"{resuming(out_dir, world_size)}") from None
+            raise UnreadableImage(f"{err}; {out_dir / 'last.pt'} holds step {saved.step}; replace or delete "
+                                  f"it, then {resuming(out_dir, world_size)}") from None
         except RuntimeError as err:  # a collective failed: under torchrun, another process may be gone
             if not distributed.peer_lost(err):
                 raise
@@ -275,13 +274,13 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             # and the RNGs) last.pt stays as it is, whole.
             if rank == 0 and not mid_step and progress.step > (saved.step if saved else 0):
                 saved = save("last.pt")
-            left = "no checkpoint was written" if saved is None else holds(saved, out_dir)
+            left = f"{out_dir / 'last.pt'} holds step {saved.step}" if saved else "no checkpoint was written"
             raise UserError(f"another process of this run failed ({first_line(err, 120)}): stopped at step "
                             f"{progress.step}; {left}; continue with `torchrun ... train.py ... --resume "
                             "auto` (torchrun --max-restarts N does that itself)", 1) from None
         except distributed.Interrupted as err:  # a second signal: stopped at once
             left = ("no checkpoint was written" if saved is None
-                    else f"{holds(saved, out_dir)}; {resuming(out_dir, world_size)}")
+                    else f"{out_dir / 'last.pt'} holds step {saved.step}; {resuming(out_dir, world_size)}")
             raise UserError(f"interrupted again by {err}: stopped at once at step {progress.step}; {left}",
                             128 + err.signum) from None
 
@@ -315,10 +314,6 @@ def stopped(step: int, out_dir: Path, world_size: int, say) -> SystemExit:
     """After a signal, the run saved at `step`: say how to continue, and exit 128 + its number."""
     say(f"interrupted at step {step}; saved {out_dir / 'last.pt'}; {resuming(out_dir, world_size)}")
     return SystemExit(distributed.SIGNALS.exit_code)
-
-
-def holds(saved: Progress, out_dir: Path) -> str:
-    return f"{out_dir / 'last.pt'} holds step {saved.step}"
 
 
 def resuming(out_dir: Path, world_size: int) -> str:
