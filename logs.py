@@ -32,7 +32,7 @@ class TensorBoard(contextlib.AbstractContextManager):
     thread, appended to the writer's own event file: TensorBoard's add_scalar hands each point to its
     writer thread, ~5x the CPU a point (docs/speed.md). Pictures go through the writer."""
 
-    def __init__(self, out_dir: Path, resumed_step: int | None, active: bool = True):
+    def __init__(self, out_dir: Path, resumed_step: int | None, active: bool):
         """One run, one set of curves: a new run first moves an earlier run's event files into a subfolder
         named after that run's start (`moved`), so the two do not draw over each other. A resumed run tells
         TensorBoard to drop what the interrupted process logged after its checkpoint (purge_step), which it

@@ -234,7 +234,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
                 examples = cfg.batch_size * (batches_per_epoch - first_batch)  # all processes'
                 epoch_rates += [examples / max(time.perf_counter() - epoch_start, 1e-9)] if examples else []
-                val = evaluate(evaluated, val_batches, task, cfg, info, device, amp_dtype)
+                val = evaluate(evaluated, val_batches, task, cfg, info, amp_dtype)
                 logs.log_evaluation(val, task, info.names, val_batches.to_pixels, progress.step, tensorboard)
                 unit = "img" if info.images else "examples"
                 rate = f"  ({epoch_rates[-1]:,.0f} {unit}/s)" if examples else ""
@@ -295,7 +295,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             if rank == 0:
                 chosen.load_state_dict(models.weights_of(checkpoints.load_checkpoint(out_dir / "best.pt")))
             distributed.share_from_rank0(chosen.state_dict().values())
-            test = evaluate(evaluated, test_batches, task, cfg, info, device, amp_dtype)
+            test = evaluate(evaluated, test_batches, task, cfg, info, amp_dtype)
             logs.log_evaluation(test, task, info.names, test_batches.to_pixels, progress.step, tensorboard,
                                 split="test")
 
@@ -358,13 +358,13 @@ def step_weight(counts: list, world_size: int, device: torch.device, seeds: dict
 
 
 @torch.no_grad()
-def evaluate(model, batches, task, cfg: Config, info, device, amp_dtype):
-    """One pass over the validation split through the task's tally, kept on the device and read
-    once at the end (summed over processes under torchrun)."""
+def evaluate(model, batches, task, cfg: Config, info, amp_dtype):
+    """One pass over a split's batches through the task's tally, kept on their device and read once
+    at the end (summed over processes under torchrun)."""
     model.eval()
-    tally = task.Tally(cfg, info, device)
+    tally = task.Tally(cfg, info, batches.device)
     for inputs, targets in batches.epoch(0):
-        with autocast(device, amp_dtype):
+        with autocast(batches.device, amp_dtype):
             outputs = model(inputs)
         tally.add(outputs, targets, inputs)
     model.train()
@@ -448,7 +448,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     load_weights(model, ckpt, len(info.names), f"--evaluate {path}", new_head=False)
     check_model(model, batches, task, cfg, info)
     with closing(val_batches), nullcontext() if test_batches is None else closing(test_batches):
-        result = evaluate(model, batches, task, cfg, info, device, amp_setup(device, cfg.amp)[0])
+        result = evaluate(model, batches, task, cfg, info, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
               f"{cfg.split}_size": batches.num_examples,

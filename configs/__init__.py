@@ -354,7 +354,7 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> Config
     return validate(Config(**parse_given(argv, description)))
 
 
-def command_line(script: str, cfg: Config, leave_out: tuple[str, ...] = ()) -> str:
+def command_line(script: str, cfg: Config, leave_out: tuple[str, ...]) -> str:
     """`python SCRIPT --flag value ...` giving cfg's settings that differ from the defaults."""
     args = ["python", script]
     for f in fields(Config):

@@ -75,7 +75,7 @@ def test_ema_resumes_bit_identical_and_is_what_evaluation_uses(tmp_path, monkeyp
     def val_loss(weights: dict) -> float:
         model = build_model(cfg, info.input_shape[0], len(info.names))
         model.load_state_dict(weights)
-        return train.evaluate(model, val_batches, task, cfg, info, CPU, None).metrics["loss"]
+        return train.evaluate(model, val_batches, task, cfg, info, None).metrics["loss"]
 
     assert val_loss(straight["ema"]) == pytest.approx(summary["val_loss"], rel=1e-6)
     assert abs(val_loss(straight["model"]) - summary["val_loss"]) > 1e-3
@@ -87,7 +87,7 @@ def test_ema_resumes_bit_identical_and_is_what_evaluation_uses(tmp_path, monkeyp
     _, _, test_batches, _ = build_loaders(cfg, CPU)
     model = build_model(cfg, info.input_shape[0], len(info.names))
     model.load_state_dict(best["ema"])  # the test report is best.pt's average
-    test = train.evaluate(model, test_batches, task, cfg, info, CPU, None).metrics
+    test = train.evaluate(model, test_batches, task, cfg, info, None).metrics
     assert test["loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
 
 
