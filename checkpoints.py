@@ -336,8 +336,6 @@ def restore_training_state(ckpt: dict, path: Path, model: nn.Module, optimizer, 
 
 def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
     """Where a checkpoint continues, counted from 1 as the progress lines count."""
-    if epoch >= epochs:
-        return "the run was already complete"
     if batch >= batches:
         return f"epoch {epoch + 1}/{epochs} trained, its evaluation next"
     return f"epoch {epoch + 1}/{epochs} at batch {batch + 1}/{batches}"

@@ -141,7 +141,7 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
-    rows = {split: _csv_rows(root, f"{split}.csv", notes=notes) for split in ("train", "val", "test")
+    rows = {split: _csv_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
             if split == "train" or (root / f"{split}.csv").is_file()}
     if len(names := sorted({label for _, label in rows["train"]})) < 2:
         raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
@@ -498,7 +498,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     if not path.exists():
         raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
     listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
-    found = ([file for file, _ in _csv_rows(path.parent, path.name, labels=False, notes=notes)] if listed else
+    found = ([file for file, _ in _csv_rows(path.parent, path.name, notes, labels=False)] if listed else
              sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
     files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
@@ -622,8 +622,7 @@ def _image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=(
                   notes=list(notes), test=files.get("test"))
 
 
-def _csv_rows(root: Path, name: str, labels: bool = True,
-              notes: list[str] | None = None) -> list[tuple[Path, str | None]]:
+def _csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> list[tuple[Path, str | None]]:
     """root/name's rows under its header: a file (relative to root), and with labels its label (next), each
     file once: a repeated row is dropped (else a copy of a training row could land in the held-out split),
     and said in `notes`; a file listed with two labels is refused. A first row that names a file under root
@@ -635,7 +634,7 @@ def _csv_rows(root: Path, name: str, labels: bool = True,
         raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
     start = 0 if records and records[0] and (root / records[0][0].strip()).is_file() else 1
-    if start == 0 and notes is not None:
+    if start == 0:
         notes.append(f"csv: {_shown(root / name)} has no header (its first row names a file): read as data")
     if labels and (empty := [i for i, row in enumerate(records, 1)  # numbered as a spreadsheet shows them
                              if i > start and row and (len(row) < 2 or not row[1].strip())]):

@@ -270,30 +270,25 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
         line = ("the output was closed (its reader, such as `head`, ended): stopped, and every file written "
                 "so far is whole (a train.py run continues with --resume)")
         return line, 128 + signal.SIGPIPE
-    if (line := known_failure(err)) is None:
-        raise err
-    return line, status
-
-
-def known_failure(err: BaseException) -> str | None:
-    """The one line for a failure torch reports at length, or None for any other error."""
-    text, first = str(err).strip(), first_line(err)
+    text, first = str(err).strip(), first_line(err)  # a failure torch reports at length: one line of it
     if "more than 1 value per channel" in text:
-        return (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
+        line = (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
                 "more, or larger inputs (--image-size)")
-    if "shared memory" in text:  # a DataLoader worker's batch did not fit in /dev/shm (Docker's: 64 MB)
-        return (f"DataLoader workers ran out of shared memory ({text.splitlines()[-1][:120]}); use "
+    elif "shared memory" in text:  # a DataLoader worker's batch did not fit in /dev/shm (Docker's: 64 MB)
+        line = (f"DataLoader workers ran out of shared memory ({text.splitlines()[-1][:120]}); use "
                 "--num-workers 0, or give the container more shared memory (docker run --shm-size=2g); the "
                 "checkpoints on disk are as they were")
-    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
-        return f"out of memory ({first}); lower --batch-size, --image-size, --synthetic-size or --width"
-    if "without overflow" in text:
-        return (f"a setting is too large for float32 ({first}); check --lr, --weight-decay, --momentum, "
+    elif isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        line = f"out of memory ({first}); lower --batch-size, --image-size, --synthetic-size or --width"
+    elif "without overflow" in text:
+        line = (f"a setting is too large for float32 ({first}); check --lr, --weight-decay, --momentum, "
                 "--div-factor and --final-div-factor")
-    if type(err).__name__ in ("BackendCompilerFailed", "InductorError", "CppCompileError"):
-        return (f"--compile failed ({first}); run without --compile (on CPU, torch.compile also needs a "
+    elif type(err).__name__ in ("BackendCompilerFailed", "InductorError", "CppCompileError"):
+        line = (f"--compile failed ({first}); run without --compile (on CPU, torch.compile also needs a "
                 "C++ compiler such as g++)")
-    return None
+    else:
+        raise err
+    return line, status
 
 
 # ---------------------------------------------------------------- signals

@@ -95,7 +95,7 @@ class InputNeeds:
 
 
 @functools.lru_cache
-def input_needs(model: str, pretrained: bool = False) -> InputNeeds:
+def input_needs(model: str, pretrained: bool) -> InputNeeds:
     """The input size a torchvision model needs (its weights' min_size, or a ViT's image_size)
     and, with --pretrained, the size and mean/std its weights' transforms() use."""
     if model in MODELS:
@@ -225,7 +225,7 @@ def _say(text: str) -> None:
         print(text)
 
 
-def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool = False) -> nn.Module:
+def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool) -> nn.Module:
     needs = input_needs(cfg.model, cfg.pretrained)
     if cfg.model in MODELS:
         return MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)

@@ -239,10 +239,17 @@ def test_failed_download_leaves_no_folders_it_created(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_header_counts_epochs_from_1():
+def test_resume_header_counts_epochs_from_1(tmp_path):
     assert checkpoints.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
     assert checkpoints.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
-    assert checkpoints.position(3, 0, 3, 8) == "the run was already complete"
+    # A complete run gets no header: the resume says it is complete first.
+    cfg = parse_config([*TINY, "--epochs", "3", "--out-dir", str(tmp_path), "--resume"])
+    checkpoints.write_checkpoint({"model": {}, "optimizer": {}, "scheduler": {}, "rng": {}, "data": {},
+                                  "run": {"epoch": 3, "batch": 0, "step": 24, "part": 0},
+                                  "config": cfg.to_dict(), "task": task.NAME}, tmp_path / "last.pt")
+    with pytest.raises(UserError, match=r"holds a complete run \(3 epochs, step 24\)") as done:
+        checkpoints.load_resume(cfg, None, task)
+    assert done.value.code == 0
 
 
 
