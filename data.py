@@ -1,30 +1,25 @@
-"""Datasets by name (DATASETS), served as batches of (inputs, targets) on the training device.
+"""Datasets by name (DATASETS): each a function of the config that returns a Source, its splits as tensors
+or as a Dataset of files, and the readers of image folders and CSV files. This is the file to edit for your
+own data; machinery/batches.py serves a Source's batches on the device, after contract.py has checked them
+against the task.
 
-Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8 [N, C, H, W]
-inputs are images: crop and flip, normalization from 0..255, channels_last and resizing to a model's size,
-in whole batches on the device (airbench-style), after DataLoader workers read any files. Each epoch's order
-and augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
+Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8
+[N, C, H, W] inputs are images, which get crops, flips and normalization on the device."""
 
 import csv
 import functools
-import math
 import os
-import shutil
-import traceback
-import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import distributed
-from checkpoints import downloading
 from configs import Config, UserError, first_line
-from contract import IGNORE_INDEX, Targets, as_taken, check_splits
-from models import fit_images, input_needs
+from machinery.batches import UnreadableImage
+from machinery.files import downloading
+from models import input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 IMAGE_SUFFIXES = tuple(".jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp .gif".split())  # ImageFolder's, GIF
@@ -84,20 +79,13 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     import torchvision
 
     cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
-    downloader = distributed.rank() == 0
-    if not downloader:
-        distributed.barrier()  # the others wait: several writers would corrupt the archive
-    failed = (f"dataset {cfg.dataset} is not in {_shown(root.resolve())} and could not be downloaded "
+    failed = (f"dataset {cfg.dataset} is not in {named(root.resolve())} and could not be downloaded "
               f"({{reason}}); run once with network access, or copy torchvision's {class_name} files there")
-    try:
-        with downloading(root / class_name / "raw", failed):
-            try:
-                splits = [cls(str(root), train=t, download=False) for t in (True, False)]
-            except RuntimeError:  # not there: rank 0 downloads it (the others fail again)
-                splits = [cls(str(root), train=t, download=downloader) for t in (True, False)]
-    finally:
-        if downloader:
-            distributed.barrier()
+    with downloading(root / class_name / "raw", failed) as allowed:  # under torchrun: rank 0 alone
+        try:
+            splits = [cls(str(root), train=t, download=False) for t in (True, False)]
+        except RuntimeError:  # not there: rank 0 downloads it (the others fail again)
+            splits = [cls(str(root), train=t, download=allowed) for t in (True, False)]
     pairs = [(torch.as_tensor(ds.data), torch.as_tensor(ds.targets).long()) for ds in splits]  # then NCHW
     (images, labels), test = [((x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)).contiguous(), y)
                               for x, y in pairs]
@@ -110,13 +98,13 @@ def image_folder(cfg: Config) -> Source:
     a test/ beside them (optional) is the test split."""
     root = Path(cfg.data_dir)
     splits = ("train", "val", "test") if (root / "test").is_dir() else ("train", "val")
-    layout = f"expected {_shown(root)}/train/<class>/*.png|jpg and {_shown(root)}/val/<class>/*"
+    layout = f"expected {named(root)}/train/<class>/*.png|jpg and {named(root)}/val/<class>/*"
     if missing := [root / split for split in splits if not (root / split).is_dir()]:
-        raise UserError(f"imagefolder: {_shown(missing[0])} is missing; {layout}")
+        raise UserError(f"imagefolder: {named(missing[0])} is missing; {layout}")
     names, *held_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
     for split, found in zip(splits, (names, *held_names), strict=True):
         if len(found) < 2:  # one level too high: train/ holds one folder that holds the classes
-            raise UserError(f"imagefolder: {_shown(root / split)} holds {len(found)} class folder"
+            raise UserError(f"imagefolder: {named(root / split)} holds {len(found)} class folder"
                             f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
                             "classifier needs two or more: point --data-dir at the folder that holds train/ "
                             "and val/ with one folder per class")
@@ -129,10 +117,10 @@ def image_folder(cfg: Config) -> Source:
                         f"{layout}")
     for split, (found, skipped) in scanned.items():  # train's: each class has some, as just checked
         if not found:  # else its tally would divide by zero, after all the training
-            raise UserError(f"imagefolder: {_shown(root / split)} holds no images{_skipped(skipped)}; the "
+            raise UserError(f"imagefolder: {named(root / split)} holds no images{_skipped(skipped)}; the "
                             f"{split} split needs some {', '.join(IMAGE_SUFFIXES)} files (convert others, "
                             "HEIC say, to JPEG)")
-    return _image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names,
+    return image_files(cfg, {at: items for at, (items, _) in scanned.items()}, names,
                         notes=[note for _, said in scanned.values() for note in said])
 
 
@@ -141,10 +129,10 @@ def csv_images(cfg: Config) -> Source:
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
-    rows = {split: _csv_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
+    rows = {split: csv_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
             if split == "train" or (root / f"{split}.csv").is_file()}
     if len(names := sorted({label for _, label in rows["train"]})) < 2:
-        raise UserError(f"csv: {_shown(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
+        raise UserError(f"csv: {named(root / 'train.csv')} has 1 label ({names[0]!r}); a classifier needs "
                         "two or more: give each row its class after the file (file,label)")
     index = {name: i for i, name in enumerate(names)}
     if "val" not in rows:  # held out by class, by the split's own seed: the same rows whatever --seed says
@@ -159,9 +147,9 @@ def csv_images(cfg: Config) -> Source:
     for split, other in (("val", "train"), ("test", "train"), ("test", "val")):  # val held out: none shared
         if shared := sorted(files.get(split, set()) & files[other]):
             notes.append(f"csv: {split}.csv lists {len(shared)} of {other}.csv's files too "
-                         f"({', '.join(map(_shown, shared[:3]))}): their {split} scores are no held-out "
+                         f"({', '.join(map(named, shared[:3]))}): their {split} scores are no held-out "
                          "measure; list each file in one of them")
-    return _image_files(cfg, {split: [(file, index[label]) for file, label in listed]
+    return image_files(cfg, {split: [(file, index[label]) for file, label in listed]
                               for split, listed in rows.items()}, names, notes=notes)
 
 
@@ -193,337 +181,7 @@ DATASETS = {"digits": digits, "mnist": functools.partial(torchvision_set, "MNIST
             "imagefolder": image_folder, "csv": csv_images, "synthetic": synthetic}
 
 
-# ---------------------------------------------------------------- batches
-
-@dataclass
-class DataInfo:
-    input_shape: tuple[int, ...]  # one example as the model gets it, (1, 8, 8) or (1, 256): [0] are channels
-    input_dtype: torch.dtype  # as the model gets it: float32 for images
-    names: list[str]  # one per model output: len(names) outputs
-    class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
-    train_size: int
-    val_size: int
-    loader: str  # what serves the batches, said once at start-up
-    images: bool  # whether the image steps apply
-    test_size: int | None = None  # None: the data has no test split
-    notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
-    reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
-
-    def inputs_record(self) -> dict:
-        """What a checkpoint records of the inputs: --predict and models.load_trained read it."""
-        dtype = str(self.input_dtype).removeprefix("torch.")
-        return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading}
-
-
-@dataclass
-class ImageSteps:
-    """What image batches get on the device: crop and flip (training only), then normalization."""
-
-    mean: torch.Tensor  # per channel, in [0, 1]
-    std: torch.Tensor
-    pad: int = 0
-    flip: bool = False
-    channels_last: bool = False
-    resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
-
-
-def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
-               shard: tuple[int, int] = (0, 1), class_ids: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's training order, crop offsets and flip flags for an epoch, drawn for the whole dataset
-    from one (seed, epoch) generator, then sharded (`shard`: this rank, of how many) in equal shards, as
-    DistributedSampler's: the same on any device, wherever a resumed run starts. `class_ids`
-    (--balance-classes): n draws with replacement, each class equally likely."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    if class_ids is not None:
-        per_class = torch.bincount(class_ids).double()
-        order = torch.multinomial(1 / per_class[class_ids], n, replacement=True, generator=g)
-    else:
-        order = torch.randperm(n, generator=g)
-    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
-    flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
-    rank, world_size = shard
-    mine = slice(rank, n // world_size * world_size, world_size)
-    return order[mine], offsets[mine], flips[mine]
-
-
-def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
-            fill: int = 0) -> torch.Tensor:
-    """Random crop after padding with `fill`, then flip, for a batch [N, C, H, W] (or per-pixel targets
-    [N, H, W]): one gather of each pixel's flat index in its padded image (flips read columns backwards),
-    ~5x faster than 4-D indexing; no device reads."""
-    if images.ndim == 3:
-        return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
-    n, c, h, w = images.shape
-    padded_h, padded_w = h + 2 * pad, w + 2 * pad
-    padded = F.pad(images, (pad, pad, pad, pad), value=fill).reshape(n, -1)
-    span = torch.arange(w, device=images.device)
-    cols = offsets[:, 1, None] + torch.where(flips[:, None], span.flip(0), span)
-    rows = (offsets[:, 0, None] + torch.arange(h, device=images.device)) * padded_w
-    planes = torch.arange(c, device=images.device) * (padded_h * padded_w)
-    index = planes[None, :, None, None] + rows[:, None, :, None] + cols[:, None, None, :]
-    return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
-
-
-@dataclass(frozen=True)
-class Serving:
-    """How a split's batches are served: the same for the training and the validation split."""
-
-    batch_size: int  # this process's share of the global batch
-    device: torch.device
-    seed: int = 0  # of the training order and augmentation (epoch_plan), and of the workers
-    rank: int = 0  # under torchrun, this process's shard of each epoch
-    world_size: int = 1
-    num_workers: int = 0  # DataLoader workers, where the data is not on the device
-
-
-class Batches:
-    """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
-    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
-    `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
-
-    def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
-                 image: ImageSteps | None = None, targets: Targets | None = None,
-                 class_ids: torch.Tensor | None = None):
-        self.source, self.labels, self.serving, self.train, self.image = source, labels, serving, train, image
-        self.targets, self.class_ids, self.device = targets, class_ids, serving.device
-        self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
-        self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
-        if image is not None:
-            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(self.device)
-            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(self.device)
-
-    @property
-    def to_pixels(self):  # a function: a batch as the model gets it back to images in [0, 1], to look at.
-        return self.denormalize if self.image else None  # Not kept on self: that cycle kept workers alive
-
-    def __len__(self) -> int:
-        n, bs, ranks = self.num_examples, self.serving.batch_size, self.serving.world_size
-        return n // ranks // bs if self.train else math.ceil(len(range(self.serving.rank, n, ranks)) / bs)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.epoch(0)
-
-    def close(self) -> None:
-        """The DataLoader's workers stop now (a run's end, a failed one's too), not when the collector
-        finds them: the epochs still open end, and the loader goes with its last reference."""
-        for stream in list(self._open):
-            stream.close()
-        self._loader = None
-
-    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split's first n examples as the model gets them, unaugmented, drawing no random number
-        (read in this process: no worker starts): the start-up check's batch."""
-        batch = ((self.source[:n], self.labels[:n]) if self.on_device else
-                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
-        return self._prepared(*batch)
-
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        stream = self._epoch(epoch, start)
-        self._open.add(stream)
-        return stream
-
-    def _epoch(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        s, bs = self.serving, self.serving.batch_size
-        pad, flip = (self.image.pad, self.image.flip) if self.image and self.train else (0, False)
-        if self.train:  # shuffled (or drawn by class), cropped and flipped as its (seed, epoch) plan says
-            order, offsets, flips = epoch_plan(self.num_examples, s.seed, epoch, pad=pad, flip=flip,
-                                               shard=(s.rank, s.world_size), class_ids=self.class_ids)
-            order, offsets, flips = order[: len(self) * bs], offsets.to(self.device), flips.to(self.device)
-        else:  # in order, each rank its shard
-            order = torch.arange(s.rank, self.num_examples, s.world_size)
-        if self.on_device:
-            raw = ((self.source[idx], self.labels[idx]) for idx in order.to(self.device).split(bs)[start:])
-        else:
-            raw = self._from_workers(order[start * bs:].tolist())
-        try:
-            for i, (inputs, targets) in enumerate(raw, start):
-                window = slice(i * bs, i * bs + len(inputs))
-                crops = (offsets[window], flips[window]) if pad or flip else None
-                yield self._prepared(inputs, targets, crops)
-        except Exception as err:  # the loader's frames in its traceback would keep its workers alive
-            traceback.clear_frames(err.__traceback__)
-            raise
-        finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
-            del raw
-
-    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops=None):
-        """A batch on the device as the model and the task take it: training images cropped and flipped by
-        `crops` ((offsets, flips); dense targets with them), then normalized."""
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
-        if self.targets is not None:
-            targets = as_taken(targets, self.targets.kind)
-        if self.image is None:
-            return (inputs.float() if inputs.is_floating_point() else inputs), targets
-        if crops is not None:
-            inputs = augment(inputs, *crops, self.image.pad)
-            if self.targets is not None and self.targets.dense:
-                targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
-        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
-        x = inputs.to(dtype=torch.float32, memory_format=memory)
-        if self.image.resize:
-            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
-        return x.mul_(self.scale).sub_(self.shift), targets
-
-    def _from_workers(self, indices: list[int]):
-        """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
-        generator, as the global one (dropout's too) would start a resumed run's passes elsewhere. Its
-        workers leave a signal to this process (distributed.worker_init), which stops them in order: a
-        SIGTERM to the process group killed them mid-batch, in 60-80 lines."""
-        if self._loader is None:
-            s, self._order = self.serving, []  # the sampler: a list, given each pass's order in place
-            self._loader = torch.utils.data.DataLoader(
-                self.source, batch_size=s.batch_size, sampler=self._order, num_workers=s.num_workers,
-                pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
-                worker_init_fn=distributed.worker_init, generator=torch.Generator().manual_seed(s.seed))
-        self._order[:] = indices
-        return iter(self._loader)
-
-    def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
-        return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
-
-
-def build_loaders(cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1, *,
-                  targets: str = "classes") -> tuple[Batches, Batches, Batches | None, DataInfo]:
-    """Train, val and test batches of `cfg.dataset` on `device` (test: None where the data has no test
-    split), sharded for this rank, their targets read and checked as the task takes them (`targets`:
-    task.TARGETS; contract.py)."""
-    if cfg.batch_size % world_size:
-        raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
-    source = DATASETS[cfg.dataset](cfg)
-    # the splits (tensor targets converted in place by check_splits), none empty: an empty val split trained
-    # a whole epoch, then its tally divided by zero; an empty training split failed at its first example
-    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
-                                                      ("test", source.test)) if examples is not None}
-    for split, examples in splits.items():
-        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
-            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
-            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
-                            "dataset entry in data.py, or the files in --data-dir)")
-    files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
-    shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
-    needs, notes = input_needs(cfg.model, cfg.pretrained), list(source.notes)
-    if not images and needs.size:
-        raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
-                        f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
-    spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
-    image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
-    if images:
-        if source.stats is None:  # the training images' own statistics
-            x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
-            source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
-        resize, mean, std = fit_images(cfg, channels, size, *source.stats, notes)  # what the model asks
-        flip = source.flip and cfg.flip and cfg.augment
-        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
-        notes.append(_image_steps(image, spec, cfg))
-    else:
-        notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
-                     "normalization or channels_last")
-    notes.append(checked)
-    if cfg.balance_classes and spec.class_ids is None:
-        raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
-                        "class id per example listed up front (tensors, or a Dataset with .targets)")
-    mode = cfg.loader
-    if files and mode == "device":
-        raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
-    if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-        needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
-        mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
-    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
-    served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
-    for split, pair in splits.items():
-        held = ([t.to(device) for t in pair] if mode == "device" else
-                (pair if files else torch.utils.data.TensorDataset(*pair), None))
-        served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
-                                class_ids=spec.class_ids if cfg.balance_classes else None)
-    if mode == "dataloader":
-        check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
-    if len(served["train"]) == 0:
-        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
-                        f"set ({served['train'].num_examples}); lower --batch-size")
-    loader = (f"device-resident tensors on {device.type}" if mode == "device"
-              else f"DataLoader with {cfg.num_workers} workers")
-    reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
-                         "std": image.std.tolist()}
-    info = DataInfo(input_shape=(shape[0], resize, resize) if resize else shape,
-                    input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
-                    names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
-                    class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
-                    **{f"{split}_size": batches.num_examples for split, batches in served.items()})
-    return served["train"], served["val"], served.get("test"), info
-
-
-def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
-    """Which image steps the training batches get, said at start-up; those per-pixel targets cannot
-    follow are refused."""
-    if targets.dense and image.resize:
-        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
-                        "targets cannot be resized with the images: give the dataset images of that size, or "
-                        "use a model that takes these")
-    if targets.dense and image.pad and targets.kind == "values":
-        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
-                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
-                        "dataset's Source")
-    steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
-        ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
-        else [])
-    if not steps:
-        return f"images: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
-    moved = "; the per-pixel targets move with them" if targets.dense else ""
-    return f"images: {' and '.join(steps)} on training batches{moved}"
-
-
-def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
-    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
-    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
-    refused now rather than in the loop; under twice that, said in a note."""
-    if workers == 0 or not os.path.isdir("/dev/shm"):
-        return
-    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = shutil.disk_usage("/dev/shm").free
-    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
-            f"{need / 2**20:.1f} MiB")
-    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
-    if free < need:
-        raise UserError(f"{said}; {fix}")
-    if free < 2 * need:
-        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
-
-
-def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.device) -> tuple:
-    """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
-    as its run read its own (`reading`: its DataInfo.reading, which its checkpoint keeps); files; skipped."""
-    if not path.exists():
-        raise UserError(f"--predict {_shown(path)}: no such file or folder (an image, a folder, a CSV)")
-    listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
-    found = ([file for file, _ in _csv_rows(path.parent, path.name, notes, labels=False)] if listed else
-             sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
-    files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
-    if not files:
-        what = "is not an image file" if path.is_file() else "holds no image files"
-        raise UserError(f"--predict {_shown(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
-    said = [f"{len(found) - len(files)} skipped (not image files)"] if len(found) > len(files) else []
-    skipped = "; ".join(said + [note.removeprefix("csv: ") for note in notes])
-    as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
-    steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
-                       channels_last=cfg.channels_last, resize=reading["resize"])
-    source = _image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, []).train
-    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
-    return Batches(source, None, serving, train=False, image=steps), files, skipped
-
-
 # ---------------------------------------------------------------- files and statistics
-
-class UnreadableImage(UserError):
-    """An image file that cannot be decoded; the message names the file and its class folder. From a
-    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
-
-    def __init__(self, message: str):
-        worker = "Original Traceback" in message
-        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
-
 
 def read_image(path: str, mode: str = "RGB"):
     """PIL's loader (`mode` "RGB" or "L"), failing in one line naming the file and class; a GIF gives its
@@ -541,11 +199,11 @@ def read_image(path: str, mode: str = "RGB"):
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError, struct.error, ...
         reason = ("not an image format PIL can read" if isinstance(err, UnidentifiedImageError) else
                   first_line(err, 100))
-        shown, folder = _shown(path), Path(path).parent.name
+        shown, folder = named(path), Path(path).parent.name
         raise UnreadableImage(f"cannot read image {shown} (class folder {folder!r}): {reason}") from None
 
 
-def _shown(path) -> str:  # a path in a one-line message: repr'd if it holds a control character
+def named(path) -> str:  # a path in a one-line message: repr'd if it holds a control character
     return str(path) if str(path).isprintable() else repr(str(path))
 
 
@@ -570,7 +228,7 @@ def _scan(split: Path, names: list[str], classes: dict[str, str]) -> tuple[list[
         except OSError:
             reason = "unreadable folders"
         if reason:
-            return skipped.setdefault(reason, []).append(_shown(path.relative_to(split)))
+            return skipped.setdefault(reason, []).append(named(path.relative_to(split)))
         seen.add(real)
         found.extend([] if is_dir else [path])
         for entry in entries:  # links wait until the real entries have their own paths
@@ -603,7 +261,7 @@ class _Files(torch.utils.data.Dataset):
         return self.transform(read_image(str(self.items[i][0]), self.mode)), self.items[i][1]
 
 
-def _image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()) -> Source:
+def image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()) -> Source:
     """(path, class index) lists of the "train", "val" and "test" splits (none: no test split) as a Source
     read by workers: each image resized, center-cropped and made uint8 CHW, RGB or grayscale, normalized
     with ImageNet's statistics (their mean if gray); flips allowed (--flip decides)."""
@@ -622,7 +280,7 @@ def _image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=(
                   notes=list(notes), test=files.get("test"))
 
 
-def _csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> list[tuple[Path, str | None]]:
+def csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> list[tuple[Path, str | None]]:
     """root/name's rows under its header: a file (relative to root), and with labels its label (next), each
     file once: a repeated row is dropped (else a copy of a training row could land in the held-out split),
     and said in `notes`; a file listed with two labels is refused. A first row that names a file under root
@@ -631,30 +289,30 @@ def _csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> l
         with open(root / name, newline="", encoding="utf-8") as f:
             records = list(csv.reader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise UserError(f"csv: cannot read {_shown(root / name)} as UTF-8 rows of file,label under a header "
+        raise UserError(f"csv: cannot read {named(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
     start = 0 if records and records[0] and (root / records[0][0].strip()).is_file() else 1
     if start == 0:
-        notes.append(f"csv: {_shown(root / name)} has no header (its first row names a file): read as data")
+        notes.append(f"csv: {named(root / name)} has no header (its first row names a file): read as data")
     if labels and (empty := [i for i, row in enumerate(records, 1)  # numbered as a spreadsheet shows them
                              if i > start and row and (len(row) < 2 or not row[1].strip())]):
         shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
-        raise UserError(f"csv: {_shown(root / name)} has rows without a label: "
+        raise UserError(f"csv: {named(root / name)} has rows without a label: "
                         f"{'rows' if len(empty) > 1 else 'row'} {shown} (the header is row 1); give each its "
                         "class after the file (file,label)")
     rows = [(root / row[0].strip(), row[1].strip() if labels else None) for row in records[start:] if row]
     if not rows or (missing := next((file for file, _ in rows if not file.is_file()), None)):
-        what = f"names {_shown(missing)}, which does not exist" if rows else "has no rows"
-        raise UserError(f"csv: {_shown(root / name)} {what}")
+        what = f"names {named(missing)}, which does not exist" if rows else "has no rows"
+        raise UserError(f"csv: {named(root / name)} {what}")
     if not labels:  # --predict's list: every row as it is
         return rows
     known = {}  # each file's first row, in order
     for file, label in rows:
         if (first := known.setdefault(os.path.normpath(file), (file, label))[1]) != label:
-            raise UserError(f"csv: {_shown(root / name)} lists {_shown(file)} with two labels ({first!r} and "
+            raise UserError(f"csv: {named(root / name)} lists {named(file)} with two labels ({first!r} and "
                             f"{label!r}); keep one row per file, with its class")
     if repeats := len(rows) - len(known):
-        notes.append(f"csv: {_shown(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
+        notes.append(f"csv: {named(root / name)} repeats rows: dropped {repeats} repeats of a file and its "
                      "label, each file is read once")
     return list(known.values())
 

@@ -370,90 +370,71 @@ def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python lr_find.py [--config X.toml] [--flag ...]`: sweep train.py's setup, save it, suggest."""
-    try:
+    """`python lr_find.py [--config X.toml] [--flag ...]`: the range test on the run `python train.py` with
+    the same flags would train (its data, model, optimizer and AMP), saved for its --lr auto."""
+    try:  # the run's setup, as train.py builds it: lr_find() above needs none of this
         from tqdm import tqdm
 
-        import distributed
         import task
-        from checkpoints import claim_out_dir
-        from configs import exit_with_error, parse_config
-        from contract import check_model
-        from data import build_loaders
-        from models import amp_dtype, build_model, check_graphs
+        from configs import UserError, command_line, parse_config
+        from machinery import processes, run_folder, stops
+        from machinery.checkpoints import task_identity
+        from machinery.files import reporting_write_errors
+        from models import OPTIMIZERS, amp_setup, build_optimizer
+        from schedules import SCHEDULES
+        from train import CHOICES, setup
     except ImportError as err:
         raise SystemExit(f"error: python lr_find.py sweeps train.py's setup and needs the template's other "
                          f"files ({err.name} is missing); `from lr_find import lr_find` works alone") from err
     if (world_size := int(os.environ.get("WORLD_SIZE", "1"))) > 1 and os.environ.get("RANK", "0") != "0":
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
-    try:  # the data, model and optimizer that train.py builds from the same flags; a signal raises
-        with distributed.SIGNALS.installed():
-            cfg = parse_config(argv, description="Learning-rate range test on train.py's setup.")
-            claim_out_dir(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
-            device = distributed.pick_device(cfg.device)
-            torch.manual_seed(cfg.seed)
-            batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
-            model = build_model(cfg, info.input_shape[0], len(info.names), device)
-            print(*info.notes, check_model(model, batches, task, cfg, info), sep="\n")
-            check_graphs(cfg, device, amp_dtype(device, cfg.amp), world_size)  # as train.py's next run would
-            with tqdm(total=cfg.find_iters, desc="lr_find", disable=None, leave=False) as bar:  # None: no TTY
-                result, wrote = sweep_setup(cfg, task, model, batches, info,
-                                            progress=lambda i, lr, loss: bar.update())
-        report(result, wrote, cfg, world_size)  # inside: a closed stdout (`| head`) is one line too
-    except (KeyboardInterrupt, Exception) as err:  # a UserError or bad argument; a signal; a known failure
-        if isinstance(err, ValueError):
-            exit_with_error(str(err), 2)
-        exit_with_error(*distributed.failure_line(
-            err, "; lr_find wrote nothing and the model is as it was: run the command again", status=1))
-    finally:
-        distributed.release_all()  # the folder's lock (and the folder, if this left it empty)
+    with stops.one_line("; lr_find wrote nothing and the model is as it was: run the command again", status=1,
+                        caught=ValueError):  # a UserError, or a bad argument of lr_find()'s
+        cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
+                           {**CHOICES, "find_method": METHODS})
+        run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
+        device = processes.pick_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        splits, info, model = setup(cfg, task, device)
+        print(*info.notes, sep="\n")
+        optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
+        amp_dtype, scaler = amp_setup(device, cfg.amp)  # fresh, as train.py's is here
+        stream = (batch for epoch in itertools.count() for batch in splits.train.epoch(epoch))
+        with splits, contextlib.closing(stream), tqdm(total=cfg.find_iters, desc="lr_find", leave=False,
+                                                       disable=None) as bar:  # None: no bar without a TTY
+            result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg, info=info), stream,
+                             start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
+                             normalizer=lambda batch: task.normalizer(batch[1], cfg, info),
+                             accum_steps=cfg.accum_steps, autocast_dtype=amp_dtype, scaler=scaler,
+                             schedule=cfg.schedule, progress=lambda i, lr, loss: bar.update(),
+                             method=None if cfg.find_method == "auto" else cfg.find_method,
+                             optimizer_kind=OPTIMIZERS[cfg.optimizer].kind)
+        with reporting_write_errors(cfg.out_dir):  # a record that --lr auto checks (machinery/lr_auto.py)
+            wrote = save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir,
+                               schedules=SCHEDULES)
+        sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
+        problem = report(result, wrote, SCHEDULES, world_size)  # a closed stdout (`| head`) is one line too
+        if problem:
+            raise UserError(problem, 1)
+        processes.say(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
 
 
-def report(result: LRFindResult, wrote: list, cfg, world_size: int) -> None:
-    """What python lr_find.py says once its files are written: the sweep, suggestions, next command."""
-    from configs import command_line, exit_with_error
-    from schedules import SCHEDULES
-
+def report(result: LRFindResult, wrote: list, schedules: Iterable[str], world_size: int) -> str | None:
+    """What python lr_find.py says once its files are written: the sweep and its suggestions; or why it
+    suggests none, returned."""
     alone = "; rank 0 runs it" if world_size > 1 else ""
     print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
           f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
     if result.suggestion is None:
         fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
             "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
-        exit_with_error(f"no learning rate suggested ({result.why_none}){fix}", status=1)
-    served = _served(result, SCHEDULES)
+        return f"no learning rate suggested ({result.why_none}){fix}"
+    served = _served(result, schedules)
     others = "".join(f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
                      in result.suggestions.items() if lr and f != family_of(result.schedule))
     print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
-    sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
-    print(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
-
-
-def sweep_setup(cfg, task, model, batches, info, batches_per_step: int = 1,
-                progress=None) -> tuple[LRFindResult, list]:
-    """The range test on train.py's setup as lr_find.py and --lr find run it (under torchrun, rank 0 taking
-    `batches_per_step` batches a step; AMP as cfg.amp gives it on the model's device), and what it wrote: a
-    record naming the task and, under each suggestion, the template's schedules it serves, which --lr auto
-    reads (configs/resolve.py)."""
-    from checkpoints import reporting_write_errors
-    from configs.resolve import task_identity
-    from models import OPTIMIZERS, amp_setup, build_optimizer
-    from schedules import SCHEDULES
-    stream = (batch for epoch in itertools.count() for batch in batches.epoch(epoch))
-    optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
-    loss = functools.partial(task.loss, cfg=cfg, info=info)
-    amp_dtype, scaler = amp_setup(next(model.parameters()).device, cfg.amp)  # fresh, as train.py's is here
-    with contextlib.closing(stream):
-        result = lr_find(model, optimizer, loss, stream, start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr,
-                         normalizer=lambda batch: task.normalizer(batch[1], cfg, info),
-                         num_iter=cfg.find_iters, accum_steps=cfg.accum_steps * batches_per_step,
-                         autocast_dtype=amp_dtype, scaler=scaler, schedule=cfg.schedule,
-                         method=None if cfg.find_method == "auto" else cfg.find_method, progress=progress,
-                         optimizer_kind=OPTIMIZERS[cfg.optimizer].kind)
-    with reporting_write_errors(cfg.out_dir):
-        return result, save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir,
-                                  schedules=SCHEDULES)
+    return None
 
 
 # pragma: no mutate end

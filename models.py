@@ -13,18 +13,15 @@ import contextlib
 import copy
 import difflib
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-import distributed
-from checkpoints import downloading, load_checkpoint
 from configs import Config, UserError
+from machinery import weights
 
 
 def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
@@ -121,111 +118,23 @@ def input_needs(model: str, pretrained: bool) -> InputNeeds:
                       std=tuple(transforms.std), weights=f"{type(weights).__name__}.{weights.name}")
 
 
-def fit_images(cfg: Config, channels: int, size: int, mean: torch.Tensor, std: torch.Tensor,
-               notes: list[str]) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """The side images of `size` px are resized to for cfg.model (0: none), and the mean and std they
-    are normalized with (--pretrained: its weights'); what changed goes into `notes`."""
-    needs, resize = input_needs(cfg.model, cfg.pretrained), 0
-    if needs.size and (size != needs.size if needs.exact else size < needs.size):
-        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
-        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
-            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
-        resize = needs.size
-        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
-                     f"{resize} on the device")
-    if needs.mean:  # --pretrained: the normalization the weights were trained with
-        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
-        if channels != 3:
-            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
-        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
-    return resize, mean, std
-
-
-def build_model(cfg: Config, channels: int, num_outputs: int,
-                device: torch.device | str = "cpu") -> nn.Module:
-    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it. A new run
-    starts from --pretrained or --init-from weights; a resumed, evaluated or predicting one gets every
+def build_model(cfg: Config, channels: int, num_outputs: int, device: torch.device | str = "cpu", *,
+                fresh: bool = True, notes: list[str] | None = None) -> nn.Module:
+    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it. A `fresh` run
+    starts from --pretrained or --init-from weights (said in `notes`); a resumed or evaluated one gets every
     weight from its own checkpoint, so they are not loaded then."""
-    starting = not (cfg.resume or cfg.evaluate or cfg.predict)
-    model = _architecture(cfg, channels, num_outputs, pretrained=cfg.pretrained and starting)
-    if cfg.init_from and starting:
-        if not Path(cfg.init_from).is_file():
-            raise UserError(f"--init-from {cfg.init_from}: no such file (a best.pt, last.pt or state_dict)")
-        state = load_checkpoint(cfg.init_from)
-        saved = state.get("config")  # ours says what it was trained as
-        hint = f"it holds {saved.get('model')} width {saved.get('width')}" if isinstance(saved, dict) else ""
-        head = load_weights(model, state, num_outputs, f"--init-from {cfg.init_from}", hint)
-        _say(f"weights from {cfg.init_from}" + (f"; {head}" if head else ""))
+    model, said = _architecture(cfg, channels, num_outputs), []
+    if fresh and cfg.pretrained:  # torchvision's weights, into its model inside any channel adapter
+        said.append(weights.pretrained(model[-1] if channels != 3 else model, cfg.model, num_outputs))
+    if fresh and cfg.init_from:
+        said.append(weights.init_from(model, cfg.init_from, num_outputs))
+    if notes is not None:
+        notes += said
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory)
 
 
-def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict]:
-    """The model in a train.py checkpoint, for your own code: built as it was trained, its weights
-    loaded, in eval mode on `device`; and the checkpoint, whose "data" names the outputs ("names") and
-    whose "inputs" says what the model takes ("shape", "dtype", and for images how they were read)."""
-    ckpt = load_checkpoint(path)
-    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("inputs"), dict)):
-        raise UserError(f"{path} is not a checkpoint of this train.py (it records no config or inputs)")
-    saved = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
-    cfg = Config(**{**saved, "evaluate": str(path)})  # evaluate: every weight comes from the checkpoint
-    names = ckpt["data"]["names"]
-    model = build_model(cfg, ckpt["inputs"]["shape"][0], len(names), device)
-    load_weights(model, ckpt, len(names), str(path), new_head=False)
-    return model.eval(), ckpt
-
-
-def weights_of(state: dict) -> dict:
-    """The state_dict in a checkpoint of ours (the --ema average where it holds one, else "model"), a
-    Lightning-style one ("state_dict") or a plain one, without the `module.` and `_orig_mod.` prefixes
-    DDP and torch.compile add."""
-    weights = state.get("ema") or state.get("model", state.get("state_dict", state))
-    if not isinstance(weights, dict):
-        raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
-    return {re.sub(r"^(module\.|_orig_mod\.)+", "", key): value for key, value in weights.items()}
-
-
-def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,
-                 hint: str = "", new_head: bool = True) -> str:
-    """Copy the weights in `state` (a checkpoint or a state_dict: weights_of) into `model`. A classifier
-    head for another number of classes (tensors whose first dimension alone differs, num_outputs
-    here) keeps its fresh initialization when `new_head`; any other difference is one UserError
-    line. Returns what happened to the head."""
-    own, weights = model.state_dict(), weights_of(state)
-    head = [k for k in own.keys() & weights.keys() if isinstance(weights[k], torch.Tensor)
-            and own[k].shape != weights[k].shape and own[k].shape[0] == num_outputs
-            and own[k].shape[1:] == weights[k].shape[1:]]
-    old = {weights[k].shape[0] for k in head}
-    if not new_head or len(old) != 1:
-        head = []
-    problems = [f"missing {k}" for k in own.keys() - weights.keys()]
-    problems += [f"unexpected {k}" for k in weights.keys() - own.keys()]
-    problems += [f"{k} {_shape(weights[k])} there, {_shape(own[k])} here"
-                 for k in own.keys() & weights.keys() if k not in head
-                 and (not isinstance(weights[k], torch.Tensor) or weights[k].shape != own[k].shape)]
-    if problems:
-        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
-        raise UserError(f"{source} does not fit the model built here ({'; '.join(sorted(problems)[:4])}"
-                        f"{more}){'; ' + hint if hint else ''}; build the model it was saved from "
-                        "(--model, --width, --channels)")
-    model.load_state_dict({k: own[k] if k in head else weights[k] for k in own})  # the head keeps its own
-    if not head:
-        return ""
-    layers = sorted({k.rsplit(".", 1)[0] for k in head})
-    return f"classifier head {', '.join(layers)} re-initialised for {num_outputs} classes (was {old.pop()})"
-
-
-def _shape(value) -> str:
-    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def _say(text: str) -> None:
-    """Said once at start-up, by one process under torchrun."""
-    if distributed.rank() == 0:
-        print(text)
-
-
-def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool) -> nn.Module:
+def _architecture(cfg: Config, channels: int, num_outputs: int) -> nn.Module:
     needs = input_needs(cfg.model, cfg.pretrained)
     if cfg.model in MODELS:
         return MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)
@@ -236,31 +145,9 @@ def _architecture(cfg: Config, channels: int, num_outputs: int, pretrained: bool
 
     options = {"image_size": needs.size} if needs.exact else {}  # a ViT is built for one size
     model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_outputs, **options)
-    if pretrained:
-        head = load_weights(model, _pretrained_weights(cfg.model), num_outputs,
-                            f"--pretrained {needs.weights}")
-        _say(f"pretrained weights: torchvision's {needs.weights}" + (f"; {head}" if head else ""))
     if channels != 3:  # torchvision models expect RGB: a learned 1x1 conv maps channels to 3
         return nn.Sequential(nn.Conv2d(channels, 3, 1), model)
     return model
-
-
-def _pretrained_weights(name: str) -> dict:
-    """torchvision's default weights for `name`, from $TORCH_HOME/hub/checkpoints as torchvision
-    keeps them (downloaded there first if missing), loaded with weights_only=True."""
-    import torchvision
-
-    weights = torchvision.models.get_model_weights(name).DEFAULT
-    folder = Path(torch.hub.get_dir()) / "checkpoints"
-    file = folder / weights.url.split("/")[-1]  # torchvision's URLs end in the file's name
-    if not file.is_file():
-        failed = (f"--pretrained needs {file.name} and could not download it ({{reason}}); without network, "
-                  f"copy it from {weights.url} into {folder} ($TORCH_HOME/hub/checkpoints)")
-        with downloading(folder, failed):
-            folder.mkdir(parents=True, exist_ok=True)
-            digest = torch.hub.HASH_REGEX.search(file.name)  # torchvision checks it too
-            torch.hub.download_url_to_file(weights.url, str(file), digest and digest.group(1), progress=False)
-    return weights_of(load_checkpoint(file))
 
 
 @dataclass(frozen=True)
@@ -361,40 +248,23 @@ def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
     return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
-    """torch.autocast, or nothing with AMP off: a disabled autocast still costs host time every step.
-    cache False: CUDA graph capture, whose replays cannot reuse autocast's cached weight casts."""
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast, or nothing with AMP off: a disabled autocast still costs host time every step."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
+    return torch.autocast(device.type, dtype=dtype)
 
 
-def check_graphs(cfg: Config, device: torch.device, amp_dtype: torch.dtype | None, world_size: int) -> None:
-    """--cuda-graphs where it cannot run is one line, said before any work (a sweep for --lr find)."""
-    for applies, why in (  # the first that applies is said
-            (cfg.compile, "--compile captures graphs of its own (mode='reduce-overhead'); pass one of "
-                          "the two"),
-            (amp_dtype == torch.float16, "fp16's GradScaler is not supported with graphs yet; use --amp "
-                                         "bf16 or --amp off"),
-            (world_size > 1, "DDP's gradient all-reduce is not captured; train on one GPU"),
-            (device.type != "cuda", f"they need a CUDA device, and this run is on {device.type}")):
-        if cfg.cuda_graphs and applies:
-            raise UserError(f"--cuda-graphs: {why}")
-
-
-def runnable(model: nn.Module, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None,
-             world_size: int, batches) -> nn.Module:
-    """What train.py's loop calls: the model, torch.compile'd under --compile, or under --cuda-graphs with
-    its training forward and backward captured once as CUDA graphs for the batches' static shape (the
-    optimizer and schedule stay eager; in eval mode it runs eagerly, so evaluation does)."""
-    if not cfg.cuda_graphs:
-        return torch.compile(model) if cfg.compile else model
-    check_graphs(cfg, device, amp_dtype, world_size)
-    sample = next(iter(batches))[0].clone()  # the training batches' shape, dtype and memory format
-    buffers = [b.clone() for b in model.buffers()]  # capture's warm-up passes move BatchNorm's statistics
-    with autocast(device, amp_dtype, cache=False):
-        graphed = torch.cuda.make_graphed_callables(model, (sample,), allow_unused_input=True)
-    with torch.no_grad():
-        for buffer, saved in zip(model.buffers(), buffers, strict=True):
-            buffer.copy_(saved)
-    return graphed
+def compile_model(model: nn.Module, mode: str, device: torch.device) -> str | None:
+    """--compile MODE: torch.compile the model in place (Module.compile: its state_dict keys stay the plain
+    module's, and it stays the one module a run trains, saves and evaluates). reduce-overhead adds CUDA
+    graphs, which need a CUDA device: elsewhere the default mode runs, and the line returned says so."""
+    if mode == "off":
+        return None
+    said = None
+    if mode == "reduce-overhead" and device.type != "cuda":
+        said = (f"--compile reduce-overhead: CUDA graphs need a CUDA device; on {device.type}, "
+                "torch.compile's default mode runs instead")
+        mode = "default"
+    model.compile(mode=mode)
+    return said

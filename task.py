@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from contract import IGNORE_INDEX
-from logs import confusion_picture, image_grid
+from machinery.contract import IGNORE_INDEX
+from machinery.pictures import confusion_picture, image_grid
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
 TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)

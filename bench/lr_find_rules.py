@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-import distributed
 import task
 from bench.speed import sync
-from configs import Config, UserError, exit_with_error, parse_config
-from data import build_loaders
+from configs import Config, UserError, parse_config
 from lr_find import DEFAULT_RULES, RULES, SuggestionCurve, lr_find, suggestion_curve
-from models import OPTIMIZERS, build_model, build_optimizer
+from machinery import processes
+from machinery.stops import exit_with_error
+from models import OPTIMIZERS, build_optimizer
 
 # 32768 val images, not the usual quarter of the training set (2048): with 2048, about 60% of the
 # variance of a paired difference between two rates was val sampling (sd 0.51 vs 0.31 pp, 16 seeds).
@@ -114,9 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def setup(cfg: Config, device: torch.device):
     """Model, optimizer (at find_start_lr), loss and endless batches, as lr_find.py's main() builds them."""
+    import train
+
     torch.manual_seed(cfg.seed)
-    batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
-    model = build_model(cfg, info.input_shape[0], len(info.names), device)
+    splits, info, model = train.setup(cfg, task, device)
+    batches = splits.train
     optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
     stream = (batch for epoch in range(sys.maxsize) for batch in batches.epoch(epoch))
 
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         exit_with_error(MISSING_TLF)
     try:
-        device = distributed.pick_device(args.device)
+        device = processes.pick_device(args.device)
     except UserError as err:
         exit_with_error(str(err))
     if device.type == "cpu":

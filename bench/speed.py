@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import distributed
 import models
 import task
-from configs import Config, UserError, exit_with_error, parse_config
-from data import Batches, ImageSteps, Serving, build_loaders
-from models import build_model, build_optimizer
+from configs import Config, UserError, parse_config
+from machinery import processes
+from machinery.batches import Batches, ImageSteps, Serving
+from machinery.stops import exit_with_error
+from models import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05",
@@ -108,9 +109,11 @@ def cifar_config(device: str, batch_size: int, images: int) -> Config:
 def setup(cfg: Config, device: torch.device, lr: float | None = None):
     """Loaders, model, optimizer and AMP built exactly as train.py builds them, and the task's loss as a
     batch's mean (its sum over its normalizer), as a bare loop would write it."""
+    import train
+
     torch.manual_seed(cfg.seed)
-    train_batches, _, _, info = build_loaders(cfg, device, targets=task.TARGETS)
-    model = build_model(cfg, info.input_shape[0], len(info.names), device)
+    splits, info, model = train.setup(cfg, task, device)
+    train_batches = splits.train
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
     amp_dtype, scaler = models.amp_setup(device, cfg.amp)
     model.train()
@@ -202,10 +205,10 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
         for r in range(repeats):
             cfg.out_dir = str(Path(tmp) / f"run{r}")
             trained.append(train_rate(cfg))
-            if device.type == "cuda":  # train.py --cuda-graphs, the same setup
-                cfg.out_dir, cfg.cuda_graphs = str(Path(tmp) / f"graphed{r}"), True
+            if device.type == "cuda":  # train.py --compile reduce-overhead (CUDA graphs), the same setup
+                cfg.out_dir, cfg.compile = str(Path(tmp) / f"graphed{r}"), "reduce-overhead"
                 graphed.append(train_rate(cfg))
-                cfg.cuda_graphs = False
+                cfg.compile = "off"
             seconds, iters = lr_find_seconds(cfg, device, lr_find_iters)
             find_seconds.append(seconds / iters)
             find_iters.append(iters)
@@ -456,8 +459,8 @@ def table(result: dict) -> str:
             {k: v * 1e3 for k, v in loop["lr_find_seconds_per_iter"].items() if k != "runs"}, ".2f"),
         row("  bare loop steps/s", loop["bare_steps_per_second"], ",.1f"),
         row("  train.py steps/s", loop["train_steps_per_second"], ",.1f"),
-        *([row("train.py --cuda-graphs vs bare", loop["cuda_graphs_speedup"], ".3f", ">= 1.5"),
-           row("  train.py --cuda-graphs steps/s", loop["graphed_steps_per_second"], ",.1f")]
+        *([row("--compile reduce-overhead vs bare", loop["cuda_graphs_speedup"], ".3f", ">= 1.5"),
+           row("  --compile reduce-overhead steps/s", loop["graphed_steps_per_second"], ",.1f")]
           if graphs else []),
         row("host_loop_vs_bare", host["host_loop_vs_bare"], ".3f", TARGETS["host_loop_vs_bare"]),
         row("host_lr_find_overhead", host["host_lr_find_overhead"], ".3f", TARGETS["host_lr_find_overhead"]),
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        device = distributed.pick_device(args.device)
+        device = processes.pick_device(args.device)
     except UserError as err:
         exit_with_error(str(err))
     if device.type == "cuda":
@@ -546,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                              "train": loop["train_steps_per_second"]["median"],
                              **({"graphed": loop["graphed_steps_per_second"]["median"]}
                                 if "graphed_steps_per_second" in loop else {})},
-        # train.py --cuda-graphs' steps/s over the eager bare loop's, on CUDA (null elsewhere)
+        # train.py --compile reduce-overhead's steps/s (CUDA graphs) over the eager bare loop's, on CUDA
+        # (null elsewhere)
         "cuda_graphs_speedup": loop.get("cuda_graphs_speedup", {}).get("median"),
         "images_per_second": images_per_second,
         "peak_memory_mb": memory, "peak_memory_kind": memory_kind,

@@ -1,28 +1,26 @@
 """Every setting in one dataclass; presets in TOML; any field overridable as --field-name.
 
-Each field carries its default, help, allowed values or range and its rules (`setting`). Precedence:
-defaults < --config FILE.toml < flags; a resume puts the checkpoint's config in place of the first two.
-Bad input is a UserError: one line saying what is wrong and the fix; the scripts print it and exit 2."""
+Each field carries its default, help and allowed values or range (`setting`). A field whose names are a
+list the front owns (the datasets, optimizers, schedules) takes them from the `choices` its caller passes
+down: this package imports no module of the template's. Precedence: defaults < --config FILE.toml < flags;
+a resume puts the checkpoint's config in place of the first two. Bad input is a UserError: one line saying
+what is wrong and the fix; the scripts print it and exit 2."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import math
 import shlex
 import sys
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import tomllib
 
-# The names a field may take from another module, each defined once there (the one list --help, the
-# checks and the README read); a field with registry=KIND takes its choices from it when checked.
-REGISTRIES = {"dataset": ("data", "DATASETS"), "optimizer": ("models", "OPTIMIZERS"),
-              "schedule": ("schedules", "SCHEDULES"), "find_method": ("lr_find", "METHODS")}
-LR_WORDS = ("auto", "find")  # what --lr takes besides a number
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes; off: eager
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
@@ -32,28 +30,11 @@ LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf
           "in [0, 2**32)": lambda v: 0 <= v < 2**32}  # seeds: epoch_plan's generator takes 64 bits
 
 
-def setting(default, help: str, *, choices: tuple[str, ...] | None = None, registry: str | None = None,
-            limits: str | None = None, may_change: bool = False, keeps_lr: bool = False):
-    """One Config field with everything about it: default, help, allowed values (choices, and the names
-    of registry(registry)) or range, and two rules. may_change: it only changes how a run is run or
-    watched, so a resume may change it. keeps_lr: it cannot move the best learning rate (a path, the
-    schedule's shape), so --lr auto does not compare it with lr_find.json's; all others are compared."""
+def setting(default, help: str, *, choices: tuple[str, ...] | None = None, limits: str | None = None):
+    """One Config field with everything about it: default, help, allowed values (`choices`; a field named
+    in the caller's `choices` takes its names from there) or range."""
     assert limits is None or limits in LIMITS, limits
-    return field(default=default, metadata=dict(help=help, choices=choices, registry=registry, limits=limits,
-                                                may_change=may_change, keeps_lr=keeps_lr))
-
-
-def registry(kind: str):
-    """The dict (or tuple) of names that REGISTRIES[kind] points at, from the module that defines it."""
-    module, name = REGISTRIES[kind]
-    return getattr(importlib.import_module(module), name)
-
-
-def choices_of(f) -> tuple[str, ...] | None:
-    """A field's allowed values: its own choices, then the names of its registry."""
-    if f.metadata["registry"] is None:
-        return f.metadata["choices"]
-    return (*(f.metadata["choices"] or ()), *registry(f.metadata["registry"]))
+    return field(default=default, metadata=dict(help=help, choices=choices, limits=limits))
 
 
 @dataclass
@@ -61,10 +42,8 @@ class Config:
     # data
     dataset: str = setting("digits", "digits works offline; mnist, fashion_mnist, cifar10 and cifar100 are "
                            "downloaded into --data-dir; imagefolder reads --data-dir/{train,val}/<class>/; "
-                           "csv reads --data-dir/train.csv (and val.csv) rows of file,label",
-                           registry="dataset")
-    data_dir: str = setting("data", "where datasets are downloaded, or imagefolder's and csv's folder",
-                            may_change=True, keeps_lr=True)
+                           "csv reads --data-dir/train.csv (and val.csv) rows of file,label")
+    data_dir: str = setting("data", "where datasets are downloaded, or imagefolder's and csv's folder")
     image_size: int = setting(0, "image side in pixels for synthetic, imagefolder and csv; 0: the dataset's "
                               "own (synthetic 16, files 32)", limits=">= 0")
     num_classes: int = setting(10, "synthetic only; the other datasets know their classes", limits="> 0")
@@ -73,16 +52,16 @@ class Config:
     synthetic_size: int = setting(2048, "synthetic: training images (val and test: a quarter of it each)",
                                   limits="> 0")
     synthetic_val_size: int = setting(0, "synthetic: val images, and as many test images; 0: a quarter of "
-                                      "--synthetic-size", limits=">= 0", keeps_lr=True)
+                                      "--synthetic-size", limits=">= 0")
     val_fraction: float = setting(0.1, "the share of the training examples held out as the val split (a "
                                   "fixed one, each class in proportion) where the data has none of its "
                                   "own: digits, the torchvision sets, csv without a val.csv",
                                   limits="in (0, 1)")
     loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
                           "worker processes; auto: device when the data fits (files: dataloader)",
-                          choices=("auto", "device", "dataloader"), may_change=True, keeps_lr=True)
+                          choices=("auto", "device", "dataloader"))
     num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
-                               limits=">= 0", may_change=True, keeps_lr=True)
+                               limits=">= 0")
     augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
     flip: bool = setting(True, "images: left-right flips, only where they keep the label: cifar10, "
                          "cifar100, imagefolder, csv")
@@ -94,97 +73,85 @@ class Config:
     pretrained: bool = setting(False, "torchvision models: start from torchvision's default ImageNet weights "
                                "(their normalization and input size too)")
     init_from: str = setting("", "a new run starts from the weights in this best.pt/last.pt or state_dict "
-                             "file (a head of another class count is re-initialised); \"\": off",
-                             may_change=True)
+                             "file (a head of another class count is re-initialised); \"\": off")
     width: int = setting(32, "resnet_small/resnet9: channels of the first stage", limits="> 0")
     dropout: float = setting(0.0, "resnet_small/resnet9: dropout before the head; 0: off", limits="in [0, 1)")
-    optimizer: str = setting("sgd", "a name in models.OPTIMIZERS: sgd (with --momentum, --nesterov), adamw",
-                             registry="optimizer")
-    lr: float | str = setting(0.2, "a number (onecycle: the peak); auto: the suggestion lr_find.py saved "
-                              "in --out-dir, refused if measured on another setup; find: run the range "
-                              "test first, in this process, then train with its suggestion", keeps_lr=True)
+    optimizer: str = setting("sgd", "a name in models.OPTIMIZERS: sgd (with --momentum, --nesterov), adamw")
+    lr: float | str = setting(0.2, "a number (onecycle: the peak); auto: the suggestion `python lr_find.py` "
+                              "saved in --out-dir, refused if measured on another setup")
     momentum: float = setting(0.9, "sgd only; 0: plain sgd", limits=">= 0")
     nesterov: bool = setting(True, "sgd only, when --momentum > 0")
     weight_decay: float = setting(5e-4, "on weights, not on biases or normalization weights", limits=">= 0")
     label_smoothing: float = setting(0.0, "0: plain cross-entropy (classification)", limits="in [0, 1]")
     clip_grad: float = setting(0.0, "max gradient norm; 0 turns clipping off", limits=">= 0")
     ema: float = setting(0.0, "keep an exponential moving average of the weights with this decay (0.999, "
-                         "say), which evaluation, best.pt, --evaluate and --predict use; 0: off",
-                         limits="in [0, 1)", keeps_lr=True)
+                         "say), which evaluation, best.pt and evaluate.py use; 0: off",
+                         limits="in [0, 1)")
     # schedule (counts in epochs here, converted to optimizer steps by schedules.py); lr_find's sweep
     # does not depend on any of them, so --lr auto compares none
-    schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step",
-                            registry="schedule", keeps_lr=True)
-    epochs: int = setting(10, "passes over the training set", limits="> 0", keeps_lr=True)
+    schedule: str = setting("onecycle", "the learning rate over the run, stepped per optimizer step")
+    epochs: int = setting(10, "passes over the training set", limits="> 0")
     batch_size: int = setting(128, "global: split across processes under torchrun", limits="> 0")
     accum_steps: int = setting(1, "batches per optimizer step (gradient accumulation)", limits="> 0")
     warmup_epochs: float = setting(0.0, "linear warmup before constant, step and cosine, and the length "
                                    "of the warmup schedule (required there); 0: none; onecycle warms up "
-                                   "by --pct-start", limits=">= 0", keeps_lr=True)
+                                   "by --pct-start", limits=">= 0")
     step_size: float = setting(0.0, "step schedule: epochs between decays; 0: a third of the run",
-                               limits=">= 0", keeps_lr=True)
-    gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0", keeps_lr=True)
+                               limits=">= 0")
+    gamma: float = setting(0.1, "step schedule: factor at each decay", limits="> 0")
     min_lr_ratio: float = setting(0.0, "cosine: the final lr as a fraction of --lr; 0: decays to 0",
-                                  limits="in [0, 1]", keeps_lr=True)
-    pct_start: float = setting(0.25, "onecycle: the part rising to --lr", limits="in (0, 1)", keeps_lr=True)
-    div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0", keeps_lr=True)
+                                  limits="in [0, 1]")
+    pct_start: float = setting(0.25, "onecycle: the part rising to --lr", limits="in (0, 1)")
+    div_factor: float = setting(25.0, "onecycle: starts at lr / div_factor", limits="> 0")
     final_div_factor: float = setting(1e4, "onecycle: ends at lr / div_factor / final_div_factor",
-                                      limits="> 0", keeps_lr=True)
-    # lr_find.py (and --lr find)
-    find_start_lr: float = setting(1e-5, "range test: first lr", limits="> 0", may_change=True, keeps_lr=True)
+                                      limits="> 0")
+    # lr_find.py
+    find_start_lr: float = setting(1e-5, "range test: first lr", limits="> 0")
     find_end_lr: float = setting(10.0, "range test: the last lr (it stops earlier once the loss diverges)",
-                                 limits="> 0", may_change=True, keeps_lr=True)
+                                 limits="> 0")
     find_iters: int = setting(50, "range test: optimizer steps (a suggestion needs 10 or more)",
-                              limits=">= 10", may_change=True, keeps_lr=True)
+                              limits=">= 10")
     find_method: str = setting("auto", "range test: how the suggestion is read off the curve; auto: "
                                "the rule lr_find.DEFAULT_RULES gives --schedule and the optimizer",
-                               choices=("auto",), registry="find_method", may_change=True, keeps_lr=True)
+                               choices=("auto",))
     # runtime
-    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu", may_change=True,
-                          keeps_lr=True)
+    device: str = setting("auto", "auto: cuda > mps > cpu; or cpu, cuda, cuda:N, mps, xpu")
     amp: str = setting("auto", "autocast; auto: bf16 where the GPU computes in it, else fp16 with "
                        "GradScaler, off on CPU and MPS", choices=("auto", "bf16", "fp16", "off"))
-    channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)", keeps_lr=True)
-    compile: bool = setting(False, "torch.compile the model", may_change=True, keeps_lr=True)
-    cuda_graphs: bool = setting(False, "CUDA: capture the training forward and backward as CUDA graphs "
-                                "(small models, where launches bound the step); bf16 or fp32, one GPU",
-                                may_change=True, keeps_lr=True)
-    seed: int = setting(0, "for weights, data order and augmentation", limits="in [0, 2**32)", keeps_lr=True)
-    out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json",
-                           may_change=True, keeps_lr=True)
+    channels_last: bool = setting(False, "images: channels_last memory (faster on GPUs)")
+    compile: str = setting("off", "torch.compile the model in this mode (--compile alone: default); "
+                           "reduce-overhead adds CUDA graphs (small models on a GPU, where launches bound "
+                           "the step); off: eager", choices=COMPILE_MODES)
+    seed: int = setting(0, "for weights, data order and augmentation", limits="in [0, 2**32)")
+    out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json")
     log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
-                             "is logged every step)", limits="> 0", may_change=True, keeps_lr=True)
+                             "is logged every step)", limits="> 0")
     save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
-                              limits=">= 0", may_change=True, keeps_lr=True)
+                              limits=">= 0")
     early_stop: int = setting(0, "stop once the task's main metric has not improved for this many "
-                              "evaluations in a row (best.pt stays the best); 0: off", limits=">= 0",
-                              may_change=True, keeps_lr=True)
+                              "evaluations in a row (best.pt stays the best); 0: off", limits=">= 0")
     min_delta: float = setting(0.0, "--early-stop: how much better the main metric must get to count as "
-                               "improved; 0: any gain counts", limits=">= 0", may_change=True, keeps_lr=True)
+                               "improved; 0: any gain counts", limits=">= 0")
     resume: str = setting("", "continue <out_dir>/last.pt (plain --resume), or PATH; auto: continue "
                           "<out_dir>/last.pt if there is one, else start a new run (one command for a first "
                           "start and every restart: Slurm's requeues, torchrun's restarts); with the "
                           "checkpoint's settings, and flags given too override them where a resume may "
-                          "change them (--out-dir, --log-every, ...) and are refused elsewhere",
-                          may_change=True, keeps_lr=True)
+                          "change them (--out-dir, --log-every, ...) and are refused elsewhere")
     allow_more_epochs: bool = setting(False, "resume with a larger --epochs (constant, warmup and step "
-                                      "schedules only: the others are shaped by the run's length)",
-                                      may_change=True, keeps_lr=True)
-    evaluate: str = setting("", "a checkpoint: run the --split once through it, print and write eval.json "
-                            "next to it, train nothing; \"\": off", may_change=True, keeps_lr=True)
-    split: str = setting("val", "--evaluate: the split it runs, val or the test split (where the data has "
-                         "one)", choices=("val", "test"), may_change=True, keeps_lr=True)
-    # --predict (how a saved model is run, like --evaluate: never taken from its checkpoint's config)
-    predict: str = setting("", "an image, a folder (searched recursively) or a CSV (a header, then file "
-                           "paths in its first column): predict each with --checkpoint, write "
-                           "predictions.csv next to it (or into --out-dir), train nothing; \"\": off",
-                           may_change=True, keeps_lr=True)
-    checkpoint: str = setting("runs/default/best.pt", "--predict: the checkpoint that predicts",
-                              may_change=True, keeps_lr=True)
+                                      "schedules only: the others are shaped by the run's length)")
+    # evaluate.py (how a saved model is run: never taken from its checkpoint's config)
+    checkpoint: str = setting("runs/default/best.pt", "evaluate.py: the checkpoint it evaluates, or "
+                              "predicts with")
+    split: str = setting("val", "evaluate.py: the split it runs, val or the test split (where the data has "
+                         "one); it writes eval.json next to the checkpoint (or into --out-dir)",
+                         choices=("val", "test"))
+    predict: str = setting("", "evaluate.py: an image, a folder (searched recursively) or a CSV (a header, "
+                           "then file paths in its first column) to predict instead, into predictions.csv "
+                           "next to the checkpoint (or into --out-dir); \"\": evaluate the --split")
     top_k: int = setting(5, "--predict: the most likely classes written per file (at most the class count)",
-                         limits="> 0", may_change=True, keeps_lr=True)
+                         limits="> 0")
     tta: str = setting("none", "--predict: flip averages each image's outputs with its mirror image's",
-                       choices=("none", "flip"), may_change=True, keeps_lr=True)
+                       choices=("none", "flip"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -213,8 +180,11 @@ def _flag(name: str) -> str:
 
 def _convert(name: str, raw):
     """Turn a TOML value or a command-line string into the field's type."""
-    if name == "lr" and isinstance(raw, str) and raw.strip().lower() in LR_WORDS:
-        return raw.strip().lower()
+    if name == "lr" and isinstance(raw, str) and raw.strip().lower() in ("auto", "find"):
+        if raw.strip().lower() == "find":  # the range test is a command of its own
+            raise UserError("--lr find: the range test runs as its own command: `python lr_find.py` with the "
+                            "same options, then `python train.py ... --lr auto` trains with its rate")
+        return "auto"
     kind = float if name == "lr" else type(_FIELDS[name].default)
     if kind is bool:
         text = str(raw).strip().lower()  # True and False too: "true", "false"
@@ -230,21 +200,34 @@ def _convert(name: str, raw):
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
-        hint = ", 'auto' or 'find'" if name == "lr" else ""
+        hint = " or 'auto'" if name == "lr" else ""
         raise UserError(f"{name} expects {EXPECTS[kind]}{hint}, got {raw!r}") from None
 
 
-def validate(cfg: Config) -> Config:
-    """Check each field against its declared choices or range, then the rules between fields."""
+FRONT_LISTS = ("dataset", "optimizer", "schedule", "find_method")  # fields the front's lists name
+
+
+def choices_of(f, choices: dict | None = None) -> tuple[str, ...] | None:
+    """A field's allowed values: its own, then the names `choices` (the front's lists) gives it; None (any)
+    for a field the front names when it passed no list for it."""
+    listed = (choices or {}).get(f.name)
+    if listed is None:
+        return None if f.name in FRONT_LISTS else f.metadata["choices"]
+    return (*(f.metadata["choices"] or ()), *listed)
+
+
+def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> Config:
+    """Check each field against its allowed values (`choices`: the names the front's lists give a field,
+    such as {"dataset": DATASETS}) or range, then the rules between fields."""
     for f in fields(Config):
-        value, choices, limits = getattr(cfg, f.name), choices_of(f), f.metadata["limits"]
-        if choices and value not in choices:
-            raise UserError(f"unknown {f.name} {value!r}{_suggest(value, choices)} "
-                            f"(choose from {', '.join(choices)})")
+        value, allowed, limits = getattr(cfg, f.name), choices_of(f, choices), f.metadata["limits"]
+        if allowed and value not in allowed:
+            raise UserError(f"unknown {f.name} {value!r}{_suggest(value, allowed)} "
+                            f"(choose from {', '.join(allowed)})")
         if limits and not LIMITS[limits](value):
             raise UserError(f"{f.name} must be a number {limits}, got {value}")
-    if cfg.lr not in LR_WORDS and not 0 < cfg.lr < math.inf:
-        raise UserError(f"lr must be a number > 0 (or auto, or find), got {cfg.lr}")
+    if cfg.lr != "auto" and not 0 < cfg.lr < math.inf:
+        raise UserError(f"lr must be a number > 0 (or auto), got {cfg.lr}")
     if cfg.find_start_lr >= cfg.find_end_lr:
         raise UserError(f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})")
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:
@@ -283,9 +266,9 @@ def _toml_typed(path: str, key: str, name: str, raw):
     kind = float if name == "lr" else type(_FIELDS[name].default)
     number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
     typed = {bool: isinstance(raw, bool), str: isinstance(raw, str)}.get(kind, number)
-    if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto" or "find"
+    if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto"
         return raw
-    expects = EXPECTS[kind] + (" or 'auto' or 'find'" if name == "lr" else "")
+    expects = EXPECTS[kind] + (" or 'auto'" if name == "lr" else "")
     what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
     got = what or ("a number" if number else f"a {type(raw).__name__}")
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
@@ -308,13 +291,13 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
 
 
-def _parser(description: str) -> _Parser:
+def _parser(description: str, choices: dict | None) -> _Parser:
     parser = _Parser(description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
     for f in fields(Config):
-        if f.name == "resume":
-            parser.add_argument("--resume", nargs="?", const="last", default=argparse.SUPPRESS,
-                                metavar="PATH", help=f.metadata["help"])
+        if f.name in ("resume", "compile"):  # given alone: plain --resume, torch.compile's default mode
+            parser.add_argument(_flag(f.name), nargs="?", const={"resume": "last"}.get(f.name, "default"),
+                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=f.metadata["help"])
         elif isinstance(f.default, bool):
             negated = "--no-" + _flag(f.name)[2:]
             parser.add_argument(_flag(f.name), action=_Switch, nargs="?", metavar="true|false",
@@ -323,17 +306,18 @@ def _parser(description: str) -> _Parser:
             parser.add_argument(negated, action=_Switch, nargs="?", dest=f.name, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)
         else:
-            rule = ", ".join(choices_of(f) or ()) or f.metadata["limits"]
+            rule = ", ".join(choices_of(f, choices) or ()) or f.metadata["limits"]
             text = f"{f.metadata['help']} ({rule + '; ' if rule else ''}default {f.default!r})"
             parser.add_argument(_flag(f.name), default=argparse.SUPPRESS, metavar=f.name.upper(),
                                 help=text.replace("%", "%%"))
     return parser
 
 
-def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
+def parse_given(argv: list[str] | None = None, description: str = "", choices: dict | None = None) -> dict:
     """The settings the command line gives (flags, and the keys of its --config file), each of its
-    field's type; not yet checked together, since a resume fills in the rest from its checkpoint."""
-    args, unknown = _parser(description).parse_known_args(argv)
+    field's type; not yet checked together, since a resume fills in the rest from its checkpoint.
+    `choices`: the names the front's lists give some fields, listed in --help (validate)."""
+    args, unknown = _parser(description, choices).parse_known_args(argv)
     if unknown:
         bad = unknown[0]
         if bad.startswith("-"):
@@ -349,9 +333,9 @@ def parse_given(argv: list[str] | None = None, description: str = "") -> dict:
     return values
 
 
-def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
-    """Build the Config from defaults, an optional --config TOML and command-line flags."""
-    return validate(Config(**parse_given(argv, description)))
+def parse_config(argv: list[str] | None = None, description: str = "", choices: dict | None = None) -> Config:
+    """Build the Config from defaults, an optional --config TOML and command-line flags, checked."""
+    return validate(Config(**parse_given(argv, description, choices)), choices)
 
 
 def command_line(script: str, cfg: Config, leave_out: tuple[str, ...]) -> str:

@@ -45,6 +45,15 @@ from entries import entries  # noqa: E402
 
 import data  # noqa: E402
 import models  # noqa: E402
+from machinery import batches  # noqa: E402
+
+
+def build_loaders(cfg, device="cpu", rank: int = 0, world_size: int = 1, *, targets: str = "classes"):
+    """(train, val, test, info): cfg.dataset's batches as train.setup() builds them, without the model."""
+    splits, info = batches.build_loaders(cfg, data.DATASETS[cfg.dataset](cfg), torch.device(device),
+                                         targets=targets, needs=models.input_needs(cfg.model, cfg.pretrained),
+                                         shard=(rank, world_size))
+    return splits.train, splits.val, splits.test, info
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None,
@@ -70,6 +79,20 @@ def run_main(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
     code = 0
     try:
         train.main()
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_evaluate(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """evaluate.py's main() in this process, as run_main runs train.py's."""
+    import evaluate
+
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", *map(str, argv)])
+    code = 0
+    try:
+        evaluate.main()
     except SystemExit as exit_info:
         code = exit_info.code
     out, err = capsys.readouterr()

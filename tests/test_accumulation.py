@@ -14,15 +14,14 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import LAUNCH, ROOT, add_entries
+from conftest import LAUNCH, ROOT, add_entries, build_loaders
 from forks import weighted
 from torch import nn
 
-import checkpoints
 import train
 from configs import parse_config
-from data import build_loaders
 from lr_find import lr_find
+from machinery import checkpoints
 from models import build_optimizer
 
 CPU = torch.device("cpu")
@@ -41,7 +40,7 @@ def trained(monkeypatch):
     """train.train on a BN-free model; records the model's initial weights and the optimizer steps."""
     seen = {"initial": None, "optimizer_steps": 0}
 
-    def build_model(cfg, channels, num_classes, device="cpu"):
+    def build_model(cfg, channels, num_classes, device="cpu", **options):
         model = bn_free_net(channels, num_classes)
         seen["initial"] = copy.deepcopy(model.state_dict())
         return model

@@ -3,9 +3,13 @@ import dataclasses
 import pytest
 
 import configs
+import lr_find
+import train
 from configs import Config, UserError, parse_config
 
-CHOICES = {f.name: configs.choices_of(f) for f in dataclasses.fields(Config) if configs.choices_of(f)}
+FRONT = {**train.CHOICES, "find_method": lr_find.METHODS}  # what train.py and lr_find.py pass down
+CHOICES = {f.name: configs.choices_of(f, FRONT) for f in dataclasses.fields(Config)
+           if configs.choices_of(f, FRONT)}
 
 
 def test_defaults_are_the_offline_quick_start():
@@ -82,7 +86,7 @@ def test_presets_load(name):
 ])
 def test_bad_input_names_the_key_and_fix(argv, words):
     with pytest.raises(UserError) as err:
-        parse_config(argv)
+        parse_config(argv, choices=FRONT)
     message = str(err.value)
     assert "\n" not in message
     for word in words:
@@ -134,24 +138,25 @@ def test_every_field_has_help_and_numbers_a_range():
 def test_the_choices_are_read_where_they_are_defined():
     """Each list of names is defined once, in the module that builds them (the datasets in data.py, the
     optimizers in models.py, the schedules in schedules.py, lr_find's rules in lr_find.py), and every
-    field that names one takes its choices from there ("auto" lets lr_find pick its rule by schedule)."""
+    field that names one takes its choices from there, passed down by the scripts ("auto" lets lr_find
+    pick its rule by schedule)."""
     import torch
 
     import data
-    import lr_find
     import models
     import schedules
 
-    assert configs.registry("dataset") is data.DATASETS
-    assert configs.registry("optimizer") is models.OPTIMIZERS
-    assert configs.registry("schedule") is schedules.SCHEDULES
+    assert train.CHOICES["dataset"] is data.DATASETS
+    assert train.CHOICES["optimizer"] is models.OPTIMIZERS
+    assert train.CHOICES["schedule"] is schedules.SCHEDULES
     assert {lr_find.family_of(s) for s in schedules.SCHEDULES} == {"peak", "base"}  # each one's suggestion
     for mode in CHOICES["amp"]:
         models.amp_dtype(torch.device("cpu"), mode)
     assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": ("auto", "device", "dataloader"),
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": schedules.SCHEDULES,
                        "find_method": ("auto", *lr_find.METHODS), "amp": ("auto", "bf16", "fp16", "off"),
-                       "tta": ("none", "flip"), "split": ("val", "test")}
+                       "tta": ("none", "flip"), "split": ("val", "test"),
+                       "compile": ("off", "default", "reduce-overhead", "max-autotune")}
 
 def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):
     """A dataset or optimizer added to its dict is accepted, listed in --help, and nowhere else to add."""
@@ -160,10 +165,10 @@ def test_a_new_registry_entry_is_a_choice_at_once(monkeypatch):
 
     monkeypatch.setitem(data.DATASETS, "mine", data.digits)
     monkeypatch.setitem(models.OPTIMIZERS, "sgd2", models.OPTIMIZERS["sgd"])
-    cfg = parse_config(["--dataset", "mine", "--optimizer", "sgd2"])
+    cfg = parse_config(["--dataset", "mine", "--optimizer", "sgd2"], choices=train.CHOICES)
     assert (cfg.dataset, cfg.optimizer) == ("mine", "sgd2")
     with pytest.raises(UserError, match="choose from .*mine"):
-        parse_config(["--dataset", "mien"])
+        parse_config(["--dataset", "mien"], choices=train.CHOICES)
 
 
 def test_help_says_what_0_and_auto_mean(capsys):
@@ -177,7 +182,7 @@ def test_help_says_what_0_and_auto_mean(capsys):
         assert "".join(text.split()) in shown, field.name
         if field.default == 0 and not isinstance(field.default, bool) and field.name != "seed":
             assert "0:" in text or "0 turns" in text, field.name
-        if field.default == "auto" or "auto" in (configs.choices_of(field) or ()):
+        if field.default == "auto" or "auto" in (configs.choices_of(field, FRONT) or ()):
             assert "auto:" in text, field.name
     lr_help = dict((f.name, f.metadata["help"]) for f in dataclasses.fields(Config))["lr"]
-    assert "auto:" in lr_help and "find:" in lr_help
+    assert "auto:" in lr_help

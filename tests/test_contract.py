@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEMPLATE_TASK, default_task_only, run_main
+from conftest import TEMPLATE_TASK, build_loaders, default_task_only, run_evaluate, run_main
 from forks import regression
 from test_faults import assert_one_line_failure
 from torch import nn
 
 import data
+import evaluate
 import lr_find
 import models
 import train
 from configs import Config, parse_config, parse_given
-from data import Source, build_loaders
+from data import Source
+from machinery.contract import IGNORE_INDEX
 
 CPU = torch.device("cpu")
 TINY = ["--width", "4", "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--num-workers", "0"]
@@ -72,7 +74,7 @@ def test_masks_follow_their_images_through_crops_and_flips(monkeypatch):
         for inputs, targets in batches.epoch(epoch):
             seen = (batches.denormalize(inputs)[:, 0] * 255).round()
             assert targets.dtype == torch.int64 and targets.shape == seen.shape
-            counted = targets != data.IGNORE_INDEX
+            counted = targets != IGNORE_INDEX
             assert torch.equal(targets[counted], (seen[counted] > 127).long())  # every pixel aligned
             assert (seen[~counted] == 0).all()  # ignored: the zero padding only
             padded += int((~counted).any())
@@ -128,10 +130,10 @@ def test_tta_flip_flips_per_pixel_outputs_back():
     torch.manual_seed(0)
     x = torch.randn(2, 1, 6, 6)
     dense = nn.Conv2d(1, 3, 1)
-    torch.testing.assert_close(train.predicted(dense, x, "flip"), dense(x))
+    torch.testing.assert_close(evaluate.predicted(dense, x, "flip"), dense(x))
     per_image = nn.Sequential(nn.Flatten(), nn.Linear(36, 3))
     both = (per_image(x) + per_image(x.flip(-1))) / 2
-    torch.testing.assert_close(train.predicted(per_image, x, "flip"), both)
+    torch.testing.assert_close(evaluate.predicted(per_image, x, "flip"), both)
 
 
 # ---------------------------------------------------------------- targets' dtype, shape and values
@@ -339,15 +341,15 @@ def test_evaluate_checks_the_task_and_the_classes(tmp_path, monkeypatch, capsys)
         folders[name] = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / name)]
     run = tmp_path / "run"
     train.train(parse_config([*folders["ab"], *TINY, "--batch-size", "4", "--out-dir", str(run)]))
-    code, out, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt",
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", run / "best.pt",
                               "--data-dir", tmp_path / "cd")
     line = assert_one_line_failure(code, out, err)
     assert "was trained on 2 classes ['a', 'b'], and the data here has 2: ['c', 'd']" in line
     ckpt = torch.load(run / "best.pt", weights_only=True)
     torch.save({**ckpt, "task": "regression"}, tmp_path / "other.pt")
-    code, out, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "other.pt")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", tmp_path / "other.pt")
     line = assert_one_line_failure(code, out, err)
     assert "was trained for the task 'regression', and task.py is 'classification'" in line
     assert not list(run.glob("eval*")) and not list(tmp_path.glob("eval*"))
-    code, out, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", run / "best.pt")
     assert code == 0 and json.loads((run / "eval.json").read_text())["val_acc"] >= 0

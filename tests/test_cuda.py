@@ -23,9 +23,9 @@ from test_gpu_contract import (
 )
 from test_sync import fused_step_reads_per_step, sweep_reads_per_step, train_reads_per_step
 
-import checkpoints
 import train
 from configs import parse_config
+from machinery import checkpoints
 from models import fused_by_default
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -194,9 +194,9 @@ def test_lr_find_restores_on_cuda(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
-# ---------------------------------------------------------------- --cuda-graphs
+# ---------------------------------------------------------------- --compile reduce-overhead (CUDA graphs)
 
-GRAPHED = [*SMALL, "--amp", "bf16", "--dropout", "0", "--save-every", "4"]
+GRAPHED = [*SMALL, "--amp", "bf16", "--dropout", "0", "--save-every", "4"]  # + "--compile reduce-overhead"
 
 
 def final_weights(out_dir):
@@ -209,16 +209,17 @@ def close(a: dict, b: dict, tol: float = 2e-2) -> bool:
 
 
 @pytest.mark.parametrize("accum", ["1", "2"])
-def test_cuda_graphs_match_eager(tmp_path, accum):
-    """The same steps with and without graphs (and with 2 micro-batches a step, which replay the graphs
-    twice): weights within bf16 tolerance, the same loss curve, and evaluation (eager in both)
-    agreeing; BatchNorm's statistics are not moved by the capture."""
+def test_compile_reduce_overhead_matches_eager(tmp_path, accum):
+    """The same steps with and without torch.compile's CUDA graphs (and with 2 micro-batches a step, which
+    replay the graphs twice: a graph's static gradient buffer must not become p.grad and be overwritten by
+    the next micro-batch): weights within bf16 tolerance, the same loss curve, evaluation agreeing."""
     from conftest import read_scalars
 
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs-{graphs}"
-        flags = [*GRAPHED, "--accum-steps", accum, *["--cuda-graphs"] * graphs, "--out-dir", str(out)]
+        flags = [*GRAPHED, "--accum-steps", accum, *["--compile", "reduce-overhead"] * graphs, "--out-dir",
+                 str(out)]
         runs[graphs] = train.train(parse_config(flags))
     eager, graphed = (final_weights(tmp_path / f"graphs-{g}") for g in (False, True))
     assert close(graphed, eager)
@@ -228,13 +229,14 @@ def test_cuda_graphs_match_eager(tmp_path, accum):
     assert abs(runs[True]["val_acc"] - runs[False]["val_acc"]) <= 0.05
 
 
-def test_cuda_graphs_capture_after_the_restore(tmp_path, monkeypatch):
-    """A graphed run stopped at step 6 and resumed (captured again, after the restore) ends where an
-    uninterrupted graphed run ends."""
+def test_compile_reduce_overhead_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """A graphed run stopped at step 6 and resumed (compiled and captured again, after the restore) ends
+    where an uninterrupted graphed run ends."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(straight)]))
+    graphed = [*GRAPHED, "--compile", "reduce-overhead"]
+    train.train(parse_config([*graphed, "--out-dir", str(straight)]))
     with crash_at_step(monkeypatch, 7):
-        train.train(parse_config([*GRAPHED, "--cuda-graphs", "--out-dir", str(broken)]))
+        train.train(parse_config([*graphed, "--out-dir", str(broken)]))
     train.train(parse_config(["--resume", "--out-dir", str(broken)]))
     assert close(final_weights(broken), final_weights(straight), tol=1e-3)
 

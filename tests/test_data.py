@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import build_loaders
 
 from configs import parse_config
-from data import Batches, ImageSteps, Serving, augment, build_loaders, epoch_plan
+from machinery.batches import Batches, ImageSteps, Serving, augment, epoch_plan
 
 CPU = torch.device("cpu")
 

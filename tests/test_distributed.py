@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import checkpoints
-import distributed
 import models
 from configs import UserError
+from machinery import checkpoints, processes
 
 
 def test_ranks_agree_in_a_one_process_group(tmp_path):
@@ -21,7 +20,7 @@ def test_ranks_agree_in_a_one_process_group(tmp_path):
                             world_size=1)
     try:
         nn.parallel.DistributedDataParallel(model)
-        assert distributed.ranks_agree(model)
+        assert processes.ranks_agree(model)
     finally:
         dist.destroy_process_group()
 
@@ -33,16 +32,16 @@ def ranks_agree_worker(rank: int, store: str, out_dir: str) -> None:
     try:
         torch.manual_seed(0)  # the same model on both ranks
         model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-        verdicts = [distributed.ranks_agree(model)]
+        verdicts = [processes.ranks_agree(model)]
         for tensor in (model[0].weight, model[1].running_mean):  # a parameter, then a buffer
             before = tensor.detach().clone()
             if rank == 1:
                 with torch.no_grad():
                     tensor.view(-1)[1] = torch.nextafter(tensor.view(-1)[1], torch.tensor(math.inf))
-            verdicts.append(distributed.ranks_agree(model))
+            verdicts.append(processes.ranks_agree(model))
             with torch.no_grad():
                 tensor.copy_(before)
-        verdicts.append(distributed.ranks_agree(model))
+        verdicts.append(processes.ranks_agree(model))
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(verdicts))
     finally:
         dist.destroy_process_group()
@@ -66,12 +65,12 @@ def test_amp_choices_on_cpu():
 
 
 def test_device_errors_are_one_line():
-    assert distributed.pick_device("cpu") == torch.device("cpu")
+    assert processes.pick_device("cpu") == torch.device("cpu")
     with pytest.raises(UserError, match="not a device to train on"):
-        distributed.pick_device("tpu")
+        processes.pick_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="no CUDA GPU"):
-            distributed.pick_device("cuda")
+            processes.pick_device("cuda")
 
 
 def test_rng_state_survives_a_weights_only_checkpoint(tmp_path):

@@ -79,7 +79,7 @@ PYTHON_BLOCKS = {
     "class TinyNet(nn.Sequential):": "test_models.py::test_a_model_added_as_the_readme_says_trains_by_name",
     "MODELS = {": "test_models.py::test_a_model_added_as_the_readme_says_trains_by_name",
     "OPTIMIZERS = {": "test_models.py::test_the_readme_lists_the_registries_as_they_are",
-    "from models import load_trained  # from the template's folder: it builds the model as train.py does":
+    "from evaluate import load_trained  # from the template's folder: it builds the model as train.py does":
         "test_docs.py::test_the_load_trained_lines_run",
 }
 
@@ -151,18 +151,19 @@ def workspace(tmp_path_factory):
 
 def run_python(words: list[str]) -> tuple[int, str]:
     """`python SCRIPT ARGS` for the project's scripts, in this process: (exit code, stderr)."""
+    import evaluate
     import lr_find
     import schedules
     import train
 
     script, args = words[1], words[2:]
-    if script == "train.py" and not {"--epochs", "--evaluate", "--resume", "--help", "--predict"} & set(args):
+    if script == "train.py" and not {"--epochs", "--resume", "--help"} & set(args):
         args = [*args, "--epochs", "1"]  # a page's run, shortened; its own --epochs stays as written
     if "my_images" in args and "--predict" not in args:
         args = [*args, "--image-size", "8"]  # the images' own size: at 64 px a sweep takes minutes on CPU
     if script != "schedules.py" and "--help" not in args:
         args = [*args, "--num-workers", "0"]  # in this process, a DataLoader's workers would outlive the run
-    main = {"train.py": train.main, "lr_find.py": lambda: lr_find.main(args),
+    main = {"train.py": train.main, "evaluate.py": evaluate.main, "lr_find.py": lambda: lr_find.main(args),
             "schedules.py": lambda: schedules.main(args)}[script]
     err = io.StringIO()
     argv, sys.argv = sys.argv, [script, *args]
@@ -185,7 +186,7 @@ def run_step(words: list[str]) -> str | None:
         return None if (ROOT / words[3]).exists() else f"no {words[3]}"
     if words == ["python", "-m", "pytest"]:
         return None  # the suite itself, which runs this test; test_ci_runs_the_readme_test_command checks it
-    if words[0] == "python" and words[1] in ("train.py", "lr_find.py", "schedules.py"):
+    if words[0] == "python" and words[1] in ("train.py", "evaluate.py", "lr_find.py", "schedules.py"):
         code, err = run_python(words)
         return None if code == 0 else f"exit {code}: {err.strip()[-600:]}"
     return "cannot run here: run it in this test, or mark it (needs a GPU, downloads, slow, ...)"

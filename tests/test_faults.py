@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import fingerprint, run_main, run_script
+from conftest import build_loaders, fingerprint, run_main, run_script
 
-import checkpoints
 import task
 import train
 from configs import Config, parse_config
-from data import build_loaders, epoch_plan
+from machinery import checkpoints, files
+from machinery.batches import epoch_plan
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2", "--image-size", "8",
         "--width", "4", "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--num-workers", "0"]
@@ -375,7 +375,7 @@ class DiskFull(io.RawIOBase):
 
 
 def fail_writes(monkeypatch, name: str, error: int, after: int = 0, room: int = 1000):
-    """Make checkpoints.py's writes of `name` fail with `error` from the (after+1)-th on."""
+    """Make machinery/files.py's writes of `name` fail with `error` from the (after+1)-th on."""
     real_open, seen = open, [0]
 
     def fake_open(path, mode="r", *args, **kwargs):
@@ -387,7 +387,7 @@ def fail_writes(monkeypatch, name: str, error: int, after: int = 0, room: int = 
                 raise OSError(error, os.strerror(error), str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "open", fake_open, raising=False)
+    monkeypatch.setattr(files, "open", fake_open, raising=False)
 
 
 @fault
@@ -444,7 +444,7 @@ def test_tensorboard_write_error(after, tmp_path, monkeypatch, capsys):
 
 @fault
 def test_too_little_space_for_a_checkpoint_is_found_at_start_up(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: SimpleNamespace(free=500))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=500))
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--out-dir", tmp_path)
     line = assert_one_line_failure(code, out, err)
     assert "has 500 bytes free but a checkpoint needs about" in line

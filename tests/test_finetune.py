@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
-from conftest import fingerprint, run_main
+from conftest import build_loaders, fingerprint, run_evaluate, run_main
 from PIL import Image
 
-import checkpoints
 import train
 from configs import parse_config
-from data import build_loaders
+from machinery import checkpoints
 from models import build_model
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2", "--image-size", "8",
@@ -52,10 +51,11 @@ def test_pretrained_loads_the_local_weights_file_and_swaps_the_head(torch_home, 
     (torch_home / "hub" / "checkpoints").mkdir(parents=True)
     torch.save(weights, torch_home / "hub" / "checkpoints" / SQUEEZENET)
     cfg = parse_config([*TINY, "--image-size", "32", "--model", "squeezenet1_1", "--pretrained"])
-    model = build_model(cfg, 3, 2)
-    assert capsys.readouterr().out == (
+    said = []
+    model = build_model(cfg, 3, 2, notes=said)
+    assert said == [
         "pretrained weights: torchvision's SqueezeNet1_1_Weights.IMAGENET1K_V1; classifier head "
-        "classifier.1 re-initialised for 2 classes (was 1000)\n")
+        "classifier.1 re-initialised for 2 classes (was 1000)"]
     built = model.state_dict()
     assert built.keys() == weights.keys()
     for key, tensor in built.items():
@@ -109,9 +109,10 @@ def test_init_from_loads_equal_tensors_and_starts_a_new_run(finished, tmp_path, 
 def test_init_from_with_another_class_count_reinitialises_only_the_head(finished, capsys):
     saved = checkpoints.load_checkpoint(finished / "best.pt")["model"]
     cfg = parse_config([*TINY, "--num-classes", "3", "--init-from", str(finished / "best.pt")])
-    built = build_model(cfg, 3, 3).state_dict()
-    assert capsys.readouterr().out == (f"weights from {finished / 'best.pt'}; classifier head 8 "
-                                       "re-initialised for 3 classes (was 2)\n")
+    said = []
+    built = build_model(cfg, 3, 3, notes=said).state_dict()
+    assert said == [f"weights from {finished / 'best.pt'}; classifier head 8 re-initialised for 3 classes "
+                    "(was 2)"]
     differ = [k for k in saved if not (built[k].shape == saved[k].shape and torch.equal(built[k], saved[k]))]
     assert differ == ["8.weight", "8.bias"] and built["8.weight"].shape == (3, 16)
 
@@ -130,7 +131,7 @@ def test_evaluate_reproduces_the_summary_and_touches_no_checkpoint(finished, mon
     before = fingerprint(finished)
     summary = json.loads((finished / "summary.json").read_text())
     for name, key in (("last.pt", "val_acc"), ("best.pt", "best_val_acc")):
-        code, out, err = run_main(monkeypatch, capsys, "--evaluate", finished / name, "--device", "cpu")
+        code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", finished / name, "--device", "cpu")
         assert code == 0 and err == "", err
         report = json.loads((finished / "eval.json").read_text())
         assert report["val_acc"] == summary[key]

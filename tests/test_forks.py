@@ -65,14 +65,12 @@ def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
     summary = json.loads((project / "a" / "summary.json").read_text())
     assert summary["lr"] == record["suggestion"] and good(summary[f"best_val_{metric}"]), summary
 
-    # --lr find in one process ends with the same weights as the sweep, the stop and the resume
-    found = run(project, "train.py", *argv, "--lr", "find", "--out-dir", "b")
-    assert "lr find:" in found
-    assert json.loads((project / "b" / "summary.json").read_text())["lr"] == summary["lr"]
+    # the same run without the stop ends with the same weights as the sweep, the stop and the resume
+    run(project, "train.py", *argv, "--lr", repr(summary["lr"]), "--out-dir", "b")
     assert_same_state(final_state(project / "a" / "last.pt"), final_state(project / "b" / "last.pt"))
 
-    # --evaluate best.pt gives the best val metric; TensorBoard has the task's curves, each step once
-    run(project, "train.py", "--evaluate", "a/best.pt")
+    # evaluate.py on best.pt gives the best val metric; TensorBoard has the task's curves, each step once
+    run(project, "evaluate.py", "--checkpoint", "a/best.pt")
     report = json.loads((project / "a" / "eval.json").read_text())
     assert report[f"val_{metric}"] == pytest.approx(summary[f"best_val_{metric}"])
     scalars = read_scalars(project / "a")
@@ -83,7 +81,7 @@ def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
     (project / "new").mkdir()
     for i in range(3):
         Image.new("L", (8, 8), 40 * i).save(project / "new" / f"{i}.png")
-    assert "3 files predicted -> a/predictions.csv" in run(project, "train.py", "--predict", "new",
+    assert "3 files predicted -> a/predictions.csv" in run(project, "evaluate.py", "--predict", "new",
                                                              "--checkpoint", "a/best.pt")
     assert (project / "a" / "predictions.csv").read_text().splitlines()[0] == columns
 

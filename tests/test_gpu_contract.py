@@ -14,15 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, build_loaders
 from torch import nn
 
-import checkpoints
-import data
-import distributed
 import models
 import train
 from configs import UserError, parse_config
+from machinery import batches, checkpoints, processes
 from models import build_model, build_optimizer, fused_by_default
 from schedules import build_scheduler, optimizer_step
 
@@ -65,7 +63,7 @@ def check_fused_fp16_matches_unfused(name: str, device: torch.device, decide_on:
     """
     cfg = parse_config([*TINY, *OPTIMIZERS[name], "--amp", "fp16"])
     fused = fused_by_default(cfg, decide_on)
-    # distributed.pick_device (run by earlier tests) turns on TF32 and cuDNN autotuning, whose rounding
+    # processes.pick_device (run by earlier tests) turns on TF32 and cuDNN autotuning, whose rounding
     # Adam's normalised steps amplify past any bound; the kernels are compared without them.
     flags = (torch.backends.cudnn, "allow_tf32", False), (torch.backends.cudnn, "benchmark", False), (
         torch.backends.cuda.matmul, "allow_tf32", False)
@@ -180,10 +178,10 @@ def check_dataloader_path(monkeypatch, device: str):
                 yield images, targets
 
     cfg = parse_config(["--dataset", "digits", "--batch-size", "256", "--device", device])
-    on_device, _, _, _ = data.build_loaders(cfg, torch.device(device))
+    on_device, _, _, _ = build_loaders(cfg, torch.device(device))
     monkeypatch.setattr(torch.utils.data, "DataLoader", Recording)
     cfg.loader = "dataloader"
-    workers, _, _, info = data.build_loaders(cfg, torch.device(device))
+    workers, _, _, info = build_loaders(cfg, torch.device(device))
     assert "DataLoader" in info.loader
     for epoch in (0, 1):
         pairs = list(zip(on_device.epoch(epoch), workers.epoch(epoch), strict=True))
@@ -211,9 +209,9 @@ class WorkerPids(torch.utils.data.Dataset):
 
 
 def test_dataloader_workers_survive_epochs_and_evaluations():
-    serving, image = data.Serving(4, CPU, num_workers=2), data.ImageSteps(torch.zeros(1), torch.ones(1))
-    for split in (data.Batches(WorkerPids(), None, serving, train=True, image=image),
-                  data.Batches(WorkerPids(), None, serving, train=False, image=image)):
+    serving, image = batches.Serving(4, CPU, num_workers=2), batches.ImageSteps(torch.zeros(1), torch.ones(1))
+    for split in (batches.Batches(WorkerPids(), None, serving, train=True, image=image),
+                  batches.Batches(WorkerPids(), None, serving, train=False, image=image)):
         pids = [set(torch.cat([y for _, y in split.epoch(e)]).tolist()) for e in range(3)]
         assert len(pids[0]) == 2 and os.getpid() not in pids[0]
         assert pids[0] == pids[1] == pids[2], "workers were restarted between passes"
@@ -282,8 +280,8 @@ def test_checkpoint_round_trip_fp16(tmp_path, monkeypatch):
 def test_explicit_gpu_index_under_torchrun_is_refused(monkeypatch, script):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="one GPU.*--device cuda"):
-        distributed.pick_device("cuda:0")
-    assert distributed.pick_device("cpu") == CPU
+        processes.pick_device("cuda:0")
+    assert processes.pick_device("cpu") == CPU
     result = script("train.py", "--device", "cuda:1", "--epochs", "1", env={"WORLD_SIZE": "2"}, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "torchrun" in result.stderr

@@ -4,21 +4,20 @@ surprises of issue 17: warmup needs a length, --channels for image folders, a fa
 folders, epochs counted from 1, summary.json's seconds over resumed parts."""
 
 import json
-import os
 import shlex
-import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, TORCHRUN, crash_at_step, run_main, run_script
+from conftest import build_loaders, crash_at_step, run_main, run_script
 from test_resume import assert_same_state, final_state
 
-import checkpoints
 import configs
 import task
 import train
-from configs import UserError, parse_config, resolve
-from configs.resolve import differences, resumed_config
+from configs import UserError, parse_config
+from configs.resolve import KEEPS_LR, differences, resumed_config
+from machinery import checkpoints, lr_auto
+from models import OPTIMIZERS
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
         "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0"]
@@ -33,7 +32,7 @@ def write_sweep(out_dir, suggestion: float | None, *argv, **extra) -> None:
     """lr_find.json as lr_find.py writes it, for the setup `argv` describes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = parse_config([*argv, "--out-dir", str(out_dir)]).to_dict()
-    config["task"] = resolve.task_identity(task)
+    config["task"] = checkpoints.task_identity(task)
     families = {"peak": {"lr": suggestion, "method": "minimum", "schedules": ["onecycle"]},
                 "base": {"lr": suggestion, "method": "min/3",
                          "schedules": ["constant", "step", "cosine", "warmup"]}}
@@ -61,29 +60,31 @@ def test_lr_auto_refuses_a_rate_measured_on_another_setup(swept, shown, tmp_path
     write_sweep(tmp_path, 0.05, *TINY, *swept)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "auto", "--out-dir", tmp_path)
     line = one_line(code, err)
-    assert shown in line and "--lr find" in line and not list(tmp_path.glob("*.pt"))
+    assert shown in line and "`python lr_find.py " in line and not list(tmp_path.glob("*.pt"))
     command = line.split("`")[1]  # the command the line says re-finds the rate for this setup
     assert command.startswith("python lr_find.py ")
     refound = parse_config(shlex.split(command)[2:])
     assert refound.out_dir == str(tmp_path)
-    assert differences(refound.to_dict(), parse_config([*TINY, "--out-dir", str(tmp_path)]), "keeps_lr") == []
+    assert differences(refound.to_dict(), parse_config([*TINY, "--out-dir", str(tmp_path)]), KEEPS_LR) == []
 
 
 def test_lr_auto_takes_the_rate_of_the_same_setup(tmp_path):
     write_sweep(tmp_path, 0.05, *TINY, "--epochs", "9", "--seed", "3", "--find-iters", "80")
     cfg = parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)])
-    assert resolve.resolve_lr(cfg, task) == 0.05  # epochs, seed and the sweep's own settings do not count
+    # epochs, seed and the sweep's own settings do not count
+    assert lr_auto.resolve_lr(cfg, task, OPTIMIZERS) == 0.05
 
 
 def test_momentum_counts_only_for_sgd(tmp_path):
     """The optimizer registry says which settings each optimizer reads: two adamw sweeps ignore
     momentum and nesterov, two sgd ones do not."""
     write_sweep(tmp_path, 0.05, *TINY, "--optimizer", "adamw", "--momentum", "0.5", "--no-nesterov")
-    assert resolve.resolve_lr(parse_config([*TINY, "--optimizer", "adamw", "--lr", "auto",
-                                          "--out-dir", str(tmp_path)]), task) == 0.05
+    assert lr_auto.resolve_lr(parse_config([*TINY, "--optimizer", "adamw", "--lr", "auto",
+                                          "--out-dir", str(tmp_path)]), task, OPTIMIZERS) == 0.05
     write_sweep(tmp_path, 0.05, *TINY, "--no-nesterov")
     with pytest.raises(UserError, match="nesterov: False -> True"):
-        resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)]), task)
+        lr_auto.resolve_lr(parse_config([*TINY, "--lr", "auto", "--out-dir", str(tmp_path)]), task,
+                           OPTIMIZERS)
 
 
 def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
@@ -91,52 +92,33 @@ def test_lr_auto_with_a_suggestion_per_schedule_family(tmp_path):
     suggestions = {"peak": {"lr": 0.05, "method": "minimum", "schedules": ["onecycle"]},
                    "base": {"lr": 0.01, "method": "knee", "schedules": ["constant", "step", "cosine"]}}
     write_sweep(tmp_path, 0.05, *TINY, suggestions=suggestions)
-    lr_of = {name: resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
-                                                  "--out-dir", str(tmp_path)]), task)
+    lr_of = {name: lr_auto.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", name,
+                                                  "--out-dir", str(tmp_path)]), task, OPTIMIZERS)
              for name in ("onecycle", "cosine")}
     assert lr_of == {"onecycle": 0.05, "cosine": 0.01}
     with pytest.raises(UserError, match="schedule: none of its suggestions serves 'warmup'"):
-        resolve.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs",
-                                         "1", "--out-dir", str(tmp_path)]), task)
+        lr_auto.resolve_lr(parse_config([*TINY, "--lr", "auto", "--schedule", "warmup", "--warmup-epochs",
+                                         "1", "--out-dir", str(tmp_path)]), task, OPTIMIZERS)
 
 
-# ---------------------------------------------------------------- --lr find
+# ---------------------------------------------------------------- lr_find.py, then --lr auto
 
-def test_lr_find_trains_exactly_as_the_rate_it_found(tmp_path, capsys):
-    """The sweep runs on the very model, data and (worker-fed) loader the run then trains with, and
-    leaves nothing behind: the run ends bit-identical to one started with the rate as a number."""
+def test_lr_auto_trains_exactly_as_the_rate_lr_find_py_found(tmp_path, capsys):
+    """`python lr_find.py` sweeps the run train.py would train (a worker-fed loader here) and writes its
+    rate; --lr auto then trains bit-identical to a run started with that rate as a number."""
+    import lr_find
+
     argv = [*TINY, "--dropout", "0.25", "--loader", "dataloader", "--num-workers", "1", "--find-iters", "15"]
-    found = train.train(parse_config([*argv, "--lr", "find", "--out-dir", str(tmp_path / "find")]))
+    lr_find.main([*argv, "--out-dir", str(tmp_path / "find")])
     record = json.loads((tmp_path / "find" / "lr_find.json").read_text())
-    assert found["lr"] == record["suggestion"] and len(record["lrs"]) == record["config"]["find_iters"] == 15
+    assert len(record["lrs"]) == record["config"]["find_iters"] == 15
     assert (tmp_path / "find" / "lr_find.png").is_file()
-    assert f"suggested lr {found['lr']:.4g}" in capsys.readouterr().out
+    assert "--lr auto" in capsys.readouterr().out
+    found = train.train(parse_config([*argv, "--lr", "auto", "--out-dir", str(tmp_path / "find")]))
+    assert found["lr"] == record["suggestion"]
     plain = train.train(parse_config([*argv, "--lr", repr(found["lr"]), "--out-dir", str(tmp_path / "p")]))
     assert plain["lr"] == found["lr"]
     assert_same_state(final_state(tmp_path / "find" / "last.pt"), final_state(tmp_path / "p" / "last.pt"))
-    again = parse_config([*argv, "--lr", "auto", "--out-dir", str(tmp_path / "find")])
-    assert resolve.resolve_lr(again, task) == found["lr"]  # and --lr auto accepts the sweep as this setup's
-
-
-def test_lr_find_without_a_suggestion_is_one_line(tmp_path, monkeypatch, capsys):
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "find", "--find-start-lr", "1e30",
-                              "--find-end-lr", "1e35", "--find-iters", "10", "--out-dir", tmp_path)
-    line = one_line(code, err)
-    assert "suggested no learning rate" in line and "lr_find.png" in line
-    assert (tmp_path / "lr_find.json").is_file() and not list(tmp_path.glob("*.pt"))
-
-
-def test_lr_find_under_torchrun_rank_0_sweeps_and_all_train_with_its_rate(tmp_path):
-    argv = [*TINY, "--synthetic-size", "256", "--epochs", "1", "--find-iters", "10", "--lr", "find",
-            "--out-dir", str(tmp_path)]
-    result = subprocess.run([*TORCHRUN, "train.py", *argv], cwd=ROOT, capture_output=True,
-                            text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("lr find:") == 1 and "rank 0 alone, 2x its batches" in result.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    record = json.loads((tmp_path / "lr_find.json").read_text())
-    assert summary["lr"] == record["suggestion"] and summary["ranks_in_sync"] is True
-    assert record["config"]["batch_size"] == 16 and summary["world_size"] == 2
 
 
 # ---------------------------------------------------------------- --resume takes the checkpoint's config
@@ -182,7 +164,7 @@ def test_resumed_config_layers():
     saved = parse_config(["--width", "8", "--out-dir", "runs/a", "--lr", "0.3"]).to_dict()
     saved["allow_more_epochs"] = True
     saved["retired_setting"] = 1  # a field since removed from Config is ignored
-    cfg = resumed_config(saved, {"resume": "last", "out_dir": "runs/a", "lr": "find"}, "runs/a/last.pt")
+    cfg = resumed_config(saved, {"resume": "last", "out_dir": "runs/a", "lr": "auto"}, "runs/a/last.pt")
     assert (cfg.width, cfg.lr, cfg.out_dir, cfg.allow_more_epochs) == (8, 0.3, "runs/a", False)
     elsewhere = resumed_config(saved, {"resume": "copies/b/best.pt"}, "copies/b/best.pt")
     assert elsewhere.out_dir == "copies/b"  # --resume PATH continues in PATH's folder
@@ -201,8 +183,6 @@ def test_warmup_schedule_needs_a_warmup_length():
 
 def test_channels_applies_to_image_folders(tmp_path):
     from PIL import Image
-
-    from data import build_loaders
 
     g = torch.Generator().manual_seed(0)
     for split in ("train", "val"):
@@ -253,22 +233,21 @@ def test_resume_header_counts_epochs_from_1(tmp_path):
 
 
 
-def test_lr_auto_compares_every_setting_unless_it_says_it_keeps_the_rate():
-    """A setting is compared by default (a new one too); the ones that cannot move the rate say so."""
+def test_lr_auto_compares_every_setting_unless_it_is_named_as_keeping_the_rate():
+    """A setting is compared unless KEEPS_LR names it (a new one too); the ones named cannot move the rate."""
     import dataclasses
 
-    assert configs.setting(1, "a new setting").metadata["keeps_lr"] is False
     base = parse_config([*TINY])
     for field in dataclasses.fields(configs.Config):
-        if field.metadata["keeps_lr"] or field.name in ("momentum", "nesterov"):
+        if field.name in KEEPS_LR or field.name in ("momentum", "nesterov"):
             continue
         swept = {**base.to_dict(), field.name: "something else"}
         shown = f"{field.name}: 'something else' -> {getattr(base, field.name)!r}"
-        assert differences(swept, base, "keeps_lr") == [shown], field.name
-    kept = {f.name for f in dataclasses.fields(configs.Config) if f.metadata["keeps_lr"]}
-    assert kept == {"data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
-                    "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor",
-                    "final_div_factor", "find_start_lr", "find_end_lr", "find_iters", "find_method", "device",
-                    "channels_last", "compile", "cuda_graphs", "seed", "out_dir", "log_every", "save_every",
-                    "resume", "allow_more_epochs", "evaluate", "predict", "checkpoint", "top_k", "tta",
-                    "early_stop", "min_delta", "ema", "split"}
+        assert differences(swept, base, KEEPS_LR) == [shown], field.name
+    assert set(KEEPS_LR) == {
+        "data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
+        "warmup_epochs",
+        "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor", "final_div_factor", "find_start_lr",
+        "find_end_lr", "find_iters", "find_method", "device", "channels_last", "compile", "seed", "out_dir",
+        "log_every", "save_every", "resume", "allow_more_epochs", "predict", "checkpoint", "top_k", "tta",
+        "early_stop", "min_delta", "ema", "split"}

@@ -15,12 +15,11 @@ import io
 
 import pytest
 import torch
-from conftest import Ops
+from conftest import Ops, build_loaders
 
 import task
 import train
 from configs import parse_config
-from data import build_loaders
 from models import amp_setup, autocast, build_model, build_optimizer
 
 STEPS = 4  # N; the second run has 3N (counts are exact: a few steps suffice)

@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import build_loaders, run_script
 from PIL import Image
 
 from configs import UserError, parse_config
-from data import IMAGE_SUFFIXES, UnreadableImage, build_loaders, read_image
+from data import IMAGE_SUFFIXES, read_image
+from machinery.batches import UnreadableImage
 
 CPU = torch.device("cpu")
 FLAGS = ["--image-size", "8", "--no-augment", "--batch-size", "2", "--num-workers", "0"]

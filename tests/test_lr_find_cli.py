@@ -14,7 +14,9 @@ from conftest import ROOT, TORCHRUN, read_scalars
 import lr_find
 import schedules
 import task
-from configs import parse_config, resolve
+from configs import parse_config
+from machinery import checkpoints, lr_auto
+from models import OPTIMIZERS
 
 
 def tensorboard_image(log_dir, tag: str):
@@ -60,14 +62,14 @@ def test_cli_on_digits_then_train_with_lr_auto(tmp_path, script):
 SMALL = ["--dataset", "synthetic", "--synthetic-size", "256", "--find-iters", "10"]
 
 
-def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
+def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path, capsys):
     """A sweep saved for cosine with --find-method min/10: each schedule's --lr auto takes its family's."""
     pytest.importorskip("matplotlib")
     lrs = [10 ** (-5 + 6 * i / 59) for i in range(60)]
     losses = [2.3 - math.tanh(2 * (math.log10(lr) + 2)) + max(0.0, math.log10(lr) + 1) ** 2 for lr in lrs]
     result = lr_find._result(lrs, losses, "cosine", "min/10", "sgd", smoothed=losses, stop_reason="completed")
     config = parse_config(["--out-dir", str(tmp_path), "--schedule", "cosine", "--find-method", "min/10"])
-    lr_find.save_sweep(result, {**config.to_dict(), "task": resolve.task_identity(task)}, tmp_path,
+    lr_find.save_sweep(result, {**config.to_dict(), "task": checkpoints.task_identity(task)}, tmp_path,
                        schedules=schedules.SCHEDULES)
     record = json.loads((tmp_path / "lr_find.json").read_text())
     peak = record["suggestions"]["peak"]
@@ -77,9 +79,9 @@ def test_lr_auto_takes_the_saved_suggestion_for_its_schedule(tmp_path):
                                ("warmup", record["suggestion"])):
         cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto", "--schedule", schedule,
                             "--warmup-epochs", "1" if schedule == "warmup" else "0"])
-        said = []
-        assert resolve.resolve_lr(cfg, task, said.append) == expected
-        assert f"for --schedule {schedule}" in said[0]
+        capsys.readouterr()
+        assert lr_auto.resolve_lr(cfg, task, OPTIMIZERS) == expected
+        assert f"for --schedule {schedule}" in capsys.readouterr().out
 
 
 def test_adamw_sweep_uses_the_adaptive_rules(tmp_path, capsys):
@@ -150,7 +152,7 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
     assert said == (f"next: python train.py --dataset synthetic --synthetic-size 512 --width 8 "
                     f"--out-dir '{tmp_path / 'a b'}' --lr auto")
     saved = json.loads((tmp_path / "a b" / "lr_find.json").read_text())
-    assert resolve.resolve_lr(parse_config(shlex.split(said)[3:]), task, print) == saved["suggestion"]
+    assert lr_auto.resolve_lr(parse_config(shlex.split(said)[3:]), task, OPTIMIZERS) == saved["suggestion"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -188,22 +190,3 @@ def test_a_known_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1
     assert "out of memory" in err and "lower --batch-size" in err
-
-
-def test_lr_find_without_a_suggestion_points_at_the_picture(monkeypatch, tmp_path):
-    """--lr find's line names lr_find.png, not the last thing the sweep wrote (without TensorBoard, a
-    note that it drew no TensorBoard image)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    import train
-    from configs import UserError
-
-    wrote = [tmp_path / "lr_find.json", tmp_path / "lr_find.png",
-             "no TensorBoard image (pip install tensorboard)"]
-    result = SimpleNamespace(suggestion=None, why_none="the loss never decreases")
-    monkeypatch.setattr(lr_find, "sweep_setup", lambda *args, **kwargs: (result, wrote))
-    batches = SimpleNamespace(device=torch.device("cpu"))
-    with pytest.raises(UserError, match=f"never decreases\\); look at {tmp_path / 'lr_find.png'}, widen"):
-        train.find_lr(parse_config([]), task, None, batches, None, None)

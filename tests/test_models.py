@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, build_loaders
 
 from configs import UserError, parse_config
-from data import build_loaders
 from models import build_model
 
 

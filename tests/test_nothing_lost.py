@@ -19,15 +19,16 @@ from types import SimpleNamespace
 import pytest
 import test_faults
 import torch
-from conftest import ROOT, run_main
+from conftest import ROOT, run_evaluate, run_main
 from test_faults import TINY, assert_one_line_failure, save_png
 
-import checkpoints
 import data
 import lr_find
 import task
 import train
-from configs import UserError, parse_config, resolve
+from configs import UserError, parse_config
+from machinery import batches, checkpoints, lr_auto
+from models import OPTIMIZERS
 
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
 CPU_FLAGS = ["--device", "cpu", "--num-workers", "0"]
@@ -171,7 +172,7 @@ def test_a_headerless_train_and_val_csv_keep_their_first_rows(tmp_path):
 def test_a_headerless_predict_csv_keeps_its_first_row(image_run, images, tmp_path, monkeypatch, capsys):
     files = sorted((images / "val").glob("*/*.png"))
     (tmp_path / "list.csv").write_text("".join(f"{file}\n" for file in files))
-    code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / "list.csv", "--checkpoint",
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "list.csv", "--checkpoint",
                               image_run / "best.pt", "--out-dir", tmp_path, *CPU_FLAGS)
     assert code == 0, err
     predicted = (tmp_path / "predictions.csv").read_text().splitlines()[1:]
@@ -217,7 +218,7 @@ def test_an_empty_split_of_any_dataset_is_refused_at_start_up(empty, tmp_path, m
     ("seed = { value = 1 }", "seed expects an integer, got a table: {'value': 1}"),
     ('epochs = "3"', "epochs expects an integer, got a string: '3'"),
     ('augment = "false"', "augment expects true or false, got a string: 'false'"),
-    ("lr = [0.1, 0.2]", "lr expects a number or 'auto' or 'find', got a list: [0.1, 0.2]"),
+    ("lr = [0.1, 0.2]", "lr expects a number or 'auto', got a list: [0.1, 0.2]"),
     ("batch-size = 1979-05-27", "batch-size expects an integer, got a date: datetime.date(1979, 5, 27)"),
 ])
 def test_a_preset_value_of_the_wrong_type_is_one_line(line, shown, tmp_path, monkeypatch, capsys):
@@ -263,7 +264,7 @@ def test_too_little_shared_memory_for_the_workers_is_found_at_start_up(free, sai
 def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoint(images, tmp_path,
                                                                                     monkeypatch, capsys):
     """As torch reports it in the loop: a worker's RuntimeError, its traceback as text (54 lines in all)."""
-    order, _, _ = data.epoch_plan(16, 0, 0)
+    order, _, _ = batches.epoch_plan(16, 0, 0)
     bad, real = int(order[9]), data._Files.__getitem__  # in the third batch of four: after two steps
 
     def getitem(self, i):  # in the worker process
@@ -324,7 +325,8 @@ def terminated(tmp_path: Path, command: str, workers: int = 2) -> subprocess.Com
 def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run, images, tmp_path):
     argv = ["--predict", str(images), "--checkpoint", str(image_run / "best.pt"), "--device", "cpu",
             "--num-workers", "2", "--batch-size", "4", "--out-dir", str(tmp_path / "out")]
-    stopped = terminated(tmp_path, f"import train\nsys.argv = ['train.py', *{argv!r}]\ntrain.main()\n")
+    command = f"import evaluate\nsys.argv = ['evaluate.py', *{argv!r}]\nevaluate.main()\n"
+    stopped = terminated(tmp_path, command)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert stopped.stderr.startswith("error: interrupted by SIGTERM") and stopped.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()  # no predictions.csv, whole or half
@@ -355,12 +357,12 @@ def a_sweep(lowest: float) -> lr_find.LRFindResult:
 
 
 @pytest.mark.parametrize("after", ["lr_find.json", "lr_find.png"])
-def test_a_sweep_killed_between_its_files_is_told_by_lr_auto(after, tmp_path, monkeypatch):
+def test_a_sweep_killed_between_its_files_is_told_by_lr_auto(after, tmp_path, monkeypatch, capsys):
     """Both files name their sweep: a kill -9 between their writes leaves one sweep's pair, or a record
     beside another sweep's picture, which --lr auto says in one line (and trains with the record)."""
     pytest.importorskip("matplotlib")
     cfg = parse_config(["--out-dir", str(tmp_path), "--lr", "auto"])
-    config = {**cfg.to_dict(), "task": resolve.task_identity(task)}
+    config = {**cfg.to_dict(), "task": checkpoints.task_identity(task)}
     lr_find.save_sweep(a_sweep(0.1), config, tmp_path)
     real = lr_find._write_atomically
 
@@ -372,10 +374,11 @@ def test_a_sweep_killed_between_its_files_is_told_by_lr_auto(after, tmp_path, mo
     monkeypatch.setattr(lr_find, "_write_atomically", write)
     with pytest.raises(Killed):
         lr_find.save_sweep(a_sweep(0.01), config, tmp_path)  # the next sweep, killed after `after`
-    said = []
-    resolve.resolve_lr(cfg, task, said.append)
+    capsys.readouterr()
+    lr_auto.resolve_lr(cfg, task, OPTIMIZERS)
+    said = capsys.readouterr().out.splitlines()
     record = json.loads((tmp_path / "lr_find.json").read_text())
-    one_unit = resolve.png_text(tmp_path / "lr_find.png").get(lr_find.PNG_SWEEP_KEY) == record.get("sweep")
+    one_unit = lr_auto.png_text(tmp_path / "lr_find.png").get(lr_find.PNG_SWEEP_KEY) == record.get("sweep")
     assert one_unit == (after == "lr_find.json") and len(said) == 2 - one_unit, said
     assert one_unit or said[1].startswith(f"lr auto: {tmp_path / 'lr_find.png'} is not the picture of this "
                                           "sweep (a sweep stopped between writing the two")

@@ -8,12 +8,12 @@ import os
 import subprocess
 
 import pytest
-from conftest import LAUNCH, ROOT, TORCHRUN, fingerprint, run_main, run_script
+from conftest import LAUNCH, ROOT, TORCHRUN, fingerprint, run_main
 
-import checkpoints
 import task
 import train
-from configs import parse_config, resolve
+from configs import parse_config
+from machinery import checkpoints
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2", "--image-size", "8",
         "--width", "4", "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--num-workers", "0"]
@@ -35,7 +35,7 @@ def one_line(code, out: str, err: str) -> str:
 @pytest.mark.parametrize("suggestion", ["0.1", -0.1, math.nan, math.inf, True, None])
 def test_a_hand_edited_suggestion_is_refused(suggestion, finished, monkeypatch, capsys):
     config = parse_config([*TINY, "--out-dir", str(finished)]).to_dict()
-    config["task"] = resolve.task_identity(task)
+    config["task"] = checkpoints.task_identity(task)
     families = {"peak": {"lr": suggestion, "method": "minimum", "schedules": ["onecycle"]}}
     (finished / "lr_find.json").write_text(json.dumps({"config": config, "suggestions": families}))
     kept = fingerprint(finished)
@@ -103,38 +103,30 @@ def test_under_torchrun_the_error_is_the_root_cause(tmp_path):
     assert "traceback : error: epochs must be a number > 0, got 0" in result.stderr
 
 
-@pytest.mark.parametrize("flags, shown", [
-    ([], "--cuda-graphs: they need a CUDA device, and this run is on cpu"),
-    (["--compile"], "--cuda-graphs: --compile captures graphs of its own"),
-    (["--amp", "fp16"], "--cuda-graphs: fp16's GradScaler is not supported with graphs yet"),
-])
-def test_cuda_graphs_are_refused_where_they_cannot_run(flags, shown, tmp_path, monkeypatch, capsys):
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--cuda-graphs", *flags, "--out-dir", tmp_path)
-    assert shown in one_line(code, out, err)
-    assert not list(tmp_path.glob("*.pt"))
+def test_lr_find_in_train_py_is_one_line_naming_lr_find_py(tmp_path, monkeypatch, capsys):
+    """The range test is a command of its own: `--lr find` says which, and writes nothing."""
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "find", "--out-dir", tmp_path)
+    line = one_line(code, out, err)
+    assert "`python lr_find.py`" in line and "--lr auto" in line
+    assert not list(tmp_path.iterdir())
 
 
-def test_cuda_graphs_are_refused_before_a_sweep(tmp_path, monkeypatch, capsys):
-    """--lr find and lr_find.py would sweep first, then the run would refuse the flag: both refuse it
-    before the sweep starts, and write nothing."""
-    import lr_find
+def test_compile_reduce_overhead_is_recorded_and_says_what_runs_off_cuda(tmp_path, monkeypatch, capsys):
+    """--compile MODE is torch.compile's mode, recorded in config.json; off CUDA, where there are no CUDA
+    graphs, one start-up line says the default mode runs instead. (Module.compile is recorded, not run: a
+    real compile takes a C++ compiler and tens of seconds; tests/test_cuda.py compiles for real.)"""
+    import json
 
-    monkeypatch.setattr(lr_find, "lr_find", lambda *args, **kwargs: pytest.fail("swept"))  # train.py's
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--cuda-graphs", "--lr", "find", "--out-dir",
-                              tmp_path / "train")
-    assert "--cuda-graphs: they need a CUDA device, and this run is on cpu" in one_line(code, out, err)
-    swept = run_script("lr_find.py", *TINY, "--cuda-graphs", "--out-dir", str(tmp_path / "sweep"))
-    assert swept.returncode == 2 and swept.stderr.count("\n") == 1, swept.stderr
-    assert "--cuda-graphs: they need a CUDA device, and this run is on cpu" in swept.stderr
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
-
-
-def test_cuda_graphs_are_refused_under_ddp():
     import torch
 
-    import models
-    from configs import UserError
-
-    cfg = parse_config([*TINY, "--cuda-graphs"])
-    with pytest.raises(UserError, match="DDP's gradient all-reduce is not captured; train on one GPU"):
-        models.runnable(torch.nn.Linear(2, 2), cfg, torch.device("cuda"), torch.bfloat16, 2, [])
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs["mode"]))
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--compile", "reduce-overhead", "--out-dir",
+                              tmp_path)
+    assert code == 0, err
+    assert modes == ["default"]
+    assert ("--compile reduce-overhead: CUDA graphs need a CUDA device; on cpu, torch.compile's default "
+            "mode runs instead") in out
+    assert json.loads((tmp_path / "config.json").read_text())["compile"] == "reduce-overhead"
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--compile", "--out-dir", tmp_path / "plain")
+    assert code == 0 and modes == ["default", "default"] and "CUDA graphs" not in out

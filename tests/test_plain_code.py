@@ -7,7 +7,7 @@ import ast
 import pytest
 from conftest import ROOT
 
-CORE = sorted([*ROOT.glob("*.py"), *(ROOT / "configs").glob("*.py")])
+CORE = sorted([*ROOT.glob("*.py"), *(ROOT / "configs").glob("*.py"), *(ROOT / "machinery").glob("*.py")])
 MOST_PARAMETERS, WIDE_ALLOWED = 7, 3  # a function over 7 parameters groups what travels together
 PUBLIC_ENTRY = {("lr_find.py", "lr_find")}  # its options are keyword-only, each documented
 ALLOWED_PRIVATE = {"_step_supports_amp_scaling",  # the flag GradScaler itself reads (schedules.py)
@@ -70,3 +70,99 @@ def test_each_list_of_names_is_defined_once(name):
     """The one list each registry has: assigned in one module, read (not copied) everywhere else."""
     defined = [file for file, tree in trees() for node in tree.body if name in assigned(node)]
     assert len(defined) == 1, (name, defined)
+
+
+# ---------------------------------------------------------------- the layout (issue 40), read from the code
+
+MACHINERY = {path.stem for path in (ROOT / "machinery").glob("*.py")} - {"__init__"}
+SCRIPTS = {"train", "evaluate", "lr_find"}  # lr_find.py's command line builds the run's setup lazily
+FRONT = {"data", "models", "task"}
+
+
+def imports(path) -> set[str]:
+    """The template's modules a file imports, at its top and inside functions alike: `from machinery import
+    logs` is machinery.logs, `from configs.resolve import x` is configs.resolve."""
+    ours = {module_name(p) for p in CORE}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return found & ours - {"machinery"}  # the package's __init__ holds its table of contents alone
+
+
+def module_name(path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+    return relative.removesuffix(".__init__")
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(path): imports(path) - {module_name(path)} for path in CORE}
+
+
+def test_imports_only_go_down():
+    """Scripts over the front over the machinery over configs and torch: the machinery never imports the
+    front or the scripts, configs imports none of the template's modules, schedules.py and lr_find.py's
+    library need torch alone (lr_find.py's command line imports inside its main())."""
+    edges = graph()
+    for module, targets in edges.items():
+        if module.startswith("machinery"):
+            assert all(t.startswith(("machinery.", "configs")) for t in targets), (module, targets)
+        if module.startswith("configs"):
+            assert all(t.startswith("configs") for t in targets), (module, targets)
+        if module in FRONT:
+            assert not targets & SCRIPTS, (module, targets)
+    assert edges["schedules"] == set()
+    top_level = ast.parse((ROOT / "lr_find.py").read_text()).body
+    assert not [n for n in top_level if isinstance(n, ast.Import | ast.ImportFrom) and (
+        module_name_of(n) in SCRIPTS | FRONT | {"configs", "schedules", "machinery"})]
+
+
+def module_name_of(node) -> str:
+    return (node.names[0].name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+
+
+def test_no_import_cycle_lazy_imports_counted():
+    edges = graph()
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in edges.get(module, ()):
+            assert state.get(target) != "open", f"import cycle: {' -> '.join([*path, target])}"
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in edges:
+        if module not in state:
+            visit(module, [module])
+
+
+def function_lengths() -> list[tuple[str, str, int]]:
+    return [(file, node.name, node.end_lineno - node.lineno + 1) for file, tree in trees()
+            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_train_reads_in_120_lines_and_no_function_is_over_80():
+    lengths = {(file, name): n for file, name, n in function_lengths()}
+    assert lengths[("train.py", "train")] <= 120
+    long = [(file, name, n) for (file, name), n in lengths.items() if n > 80
+            and (file, name) not in {("train.py", "train"), ("lr_find.py", "lr_find")}]
+    assert long == [] and lengths[("lr_find.py", "lr_find")] <= 120
+
+
+def test_the_sizes_the_layout_asks_for():
+    lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
+    assert {file: n for file, n in lines.items() if n > (600 if file == "lr_find.py" else 400)} == {}
+    assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
+    assert sum(lines.values()) <= 3900, sum(lines.values())
+
+
+def test_what_was_cut_stays_out():
+    """No hand-built CUDA graphs, no TensorBoard internals, no module loaded by name."""
+    text = "\n".join(path.read_text() for path in CORE)
+    for gone in ("make_graphed_callables", "cuda_graphs", "importlib", "__import__", "event_pb2",
+                 "RecordWriter", "tensorboard.compat"):
+        assert gone not in text, gone

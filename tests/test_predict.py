@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import add_entries, run_main
+from conftest import add_entries, build_loaders, run_evaluate
 from PIL import Image
 
 import data
+import evaluate
 import train
 from configs import Config, parse_config, parse_given, resolve
-from models import build_model, load_weights
+from machinery.weights import load_weights
+from models import build_model
 
 CPU = ["--device", "cpu", "--num-workers", "0"]
 SQUEEZENET = "squeezenet1_1-b8a52dc0.pth"  # torchvision's default squeezenet1_1 weights file
@@ -78,7 +80,8 @@ def folder_run(request, tmp_path_factory):
 def test_a_digits_model_predicts_its_test_images_as_evaluate_scores_them(digits_run, monkeypatch, capsys):
     run, pngs, labels = digits_run
     (pngs / "notes.txt").write_text("not an image")  # skipped, and counted
-    code, out, err = run_main(monkeypatch, capsys, "--predict", pngs, "--checkpoint", run / "best.pt", *CPU)
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", pngs, "--checkpoint", run / "best.pt",
+                                  *CPU)
     assert code == 0, err
     rows = predicted(run / "predictions.csv")
     assert rows.pop("header") == ["file", "class", "probability",
@@ -90,13 +93,13 @@ def test_a_digits_model_predicts_its_test_images_as_evaluate_scores_them(digits_
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
     # --evaluate's accuracy, to the image: each file gets the class evaluation gives its test image
-    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", "--split", "test", *CPU)
+    code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", run / "best.pt", "--split", "test", *CPU)
     assert code == 0, err
     right = sum(rows[f"{i:03d}.png"][0] == label for i, label in enumerate(labels))
     assert right / 360 == json.loads((run / "eval.json").read_text())["test_acc"]
     ckpt = torch.load(run / "best.pt", weights_only=True)
-    cfg = resolve.evaluated_config(Config(evaluate=str(run / "best.pt")), {"device": "cpu"}, ckpt["config"])
-    _, _, test, info = data.build_loaders(cfg, torch.device("cpu"))
+    cfg = resolve.evaluated_config(Config(checkpoint=str(run / "best.pt")), {"device": "cpu"}, ckpt["config"])
+    _, _, test, info = build_loaders(cfg, torch.device("cpu"))
     model = build_model(cfg, 1, 10).eval()
     load_weights(model, ckpt, 10, "test", new_head=False)
     with torch.no_grad():
@@ -109,21 +112,23 @@ def test_a_digits_model_predicts_its_test_images_as_evaluate_scores_them(digits_
 def test_an_imagefolder_model_predicts_a_folder_and_a_csv_list_alike(folder_run, tmp_path, monkeypatch,
                                                                      capsys):
     run, root, channels = folder_run
-    code, out, err = run_main(monkeypatch, capsys, "--predict", root / "val", "--checkpoint", run / "best.pt",
-                              "--top-k", "50", "--out-dir", tmp_path / "folder", *CPU)  # searched recursively
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", root / "val", "--checkpoint",
+                                  run / "best.pt", "--top-k", "50", "--out-dir", tmp_path / "folder",
+                                  *CPU)  # searched recursively
     assert code == 0, err
     folder = rows_of(tmp_path / "folder" / "predictions.csv")
     assert folder[0] == ["file", "class", "probability", "class_2", "probability_2"]  # top-k: 2 classes
     assert len(folder) == 1 + 12 and not (run / "predictions.csv").exists()
     right = sum(Path(row[0]).parent.name == row[1] for row in folder[1:])  # the class folder is the truth
-    code, _, err = run_main(monkeypatch, capsys, "--evaluate", run / "best.pt", "--out-dir", tmp_path, *CPU)
+    code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", run / "best.pt", "--out-dir", tmp_path,
+                                *CPU)
     assert code == 0 and right / 12 == json.loads((tmp_path / "eval.json").read_text())["val_acc"], err
 
     # a CSV of file paths under a header (relative to the CSV's folder), read by two workers
     listed = tmp_path / "list.csv"
     paths = [Path(row[0]).relative_to(tmp_path.parent) for row in folder[1:]]
     listed.write_text("path\n" + "".join(f"../{p}\n" for p in reversed(paths)))
-    code, out, err = run_main(monkeypatch, capsys, "--predict", listed, "--checkpoint", run / "best.pt",
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", listed, "--checkpoint", run / "best.pt",
                               "--top-k", "50", "--out-dir", tmp_path / "csv", "--device", "cpu",
                               "--num-workers", "2")
     assert code == 0, err
@@ -143,7 +148,7 @@ def test_each_model_gets_its_own_channels(folder_run, tmp_path):
     Image.fromarray(colour.numpy()).save(tmp_path / "rgb.png")
     Image.fromarray(colour.numpy()).convert("L").save(tmp_path / "gray.png")
     cfg = parse_config(CPU)
-    batches, files, skipped = data.prediction_batches(cfg, tmp_path, inputs, torch.device("cpu"))
+    batches, files, skipped = evaluate.prediction_batches(cfg, tmp_path, inputs, torch.device("cpu"))
     (x, _), = list(batches.epoch(0))
     assert files == [tmp_path / "gray.png", tmp_path / "rgb.png"] and not skipped
     assert x.shape == (2, channels, 16, 16)
@@ -170,7 +175,7 @@ def test_a_pretrained_model_predicts_with_its_own_transforms(torch_home, tmp_pat
                               "--out-dir", str(tmp_path / "run")]))
     weights_file.unlink()  # predicting needs the checkpoint alone
     Image.new("RGB", (40, 30), (200, 120, 40)).save(tmp_path / "new.png")
-    code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / "new.png", "--checkpoint",
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "new.png", "--checkpoint",
                               tmp_path / "run" / "best.pt", *CPU)
     assert code == 0, err
     ckpt = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
@@ -206,7 +211,7 @@ def test_tta_flip_averages_each_image_with_its_mirror(digits_run, tmp_path, monk
     results = {}
     for tta in ("none", "flip"):
         for side in ("as_is", "mirrored"):
-            code, out, err = run_main(monkeypatch, capsys, "--predict", tmp_path / side, "--checkpoint",
+            code, out, err = run_evaluate(monkeypatch, capsys, "--predict", tmp_path / side, "--checkpoint",
                                       run / "best.pt", "--tta", tta, "--out-dir", tmp_path / tta / side, *CPU)
             assert code == 0, err
             results[tta, side] = predicted(tmp_path / tta / side / "predictions.csv")
@@ -220,11 +225,11 @@ def test_tta_flip_averages_each_image_with_its_mirror(digits_run, tmp_path, monk
 def test_the_default_checkpoint_is_runs_default_best_pt(digits_run, tmp_path, monkeypatch, capsys):
     run, pngs, _ = digits_run
     monkeypatch.chdir(tmp_path)
-    line = one_line(*run_main(monkeypatch, capsys, "--predict", pngs / "000.png"))
+    line = one_line(*run_evaluate(monkeypatch, capsys, "--predict", pngs / "000.png"))
     assert "--checkpoint runs/default/best.pt: no such file" in line
     (tmp_path / "runs" / "default").mkdir(parents=True)
     shutil.copy(run / "best.pt", tmp_path / "runs" / "default" / "best.pt")
-    code, out, err = run_main(monkeypatch, capsys, "--predict", pngs / "000.png", *CPU)
+    code, out, err = run_evaluate(monkeypatch, capsys, "--predict", pngs / "000.png", *CPU)
     assert code == 0, err
     assert out.splitlines()[-1] == "1 file predicted -> runs/default/predictions.csv"
 
@@ -246,7 +251,7 @@ def test_the_forks_tasks_say_what_a_prediction_is(tmp_path, monkeypatch, capsys)
         train.train(parse_config([*CPU, *argv, "--epochs", "1", "--batch-size", "32", "--out-dir", str(out)]),
                     task=task)
         given = parse_given(["--predict", str(tmp_path / "pngs"), "--checkpoint", str(out / "best.pt"), *CPU])
-        train.predict(Config(**given), given, task)
+        evaluate.predict(Config(**given), given, task)
         header, *rows = rows_of(out / "predictions.csv")
         assert len(rows) == 3
         if task is regression:
@@ -257,7 +262,7 @@ def test_the_forks_tasks_say_what_a_prediction_is(tmp_path, monkeypatch, capsys)
             for row in rows:
                 tags = [name for name, p in zip(header[2:], row[2:], strict=True) if float(p) > 0.5]
                 assert row[1].split() == tags
-        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "pngs", "--checkpoint",
+        line = one_line(*run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "pngs", "--checkpoint",
                                   out / "best.pt", *CPU))
         assert f"trained for the task {task.NAME!r}, and task.py is 'classification'" in line
 
@@ -282,7 +287,6 @@ BAD = {  # each case, and what its one line says
     "another shape": "does not fit the model built here (0.0.weight [8, 1, 3, 3] there, [16, 1, 3, 3] here",
     "top-k 0": "top_k must be a number > 0",
     "tta unknown": "unknown tta 'flop'",
-    "with --evaluate": "--evaluate and --predict are two modes",
 }
 
 
@@ -298,8 +302,7 @@ def bad_arguments(case: str, tmp: Path, pngs: Path, run: Path) -> list:
         "a plain state_dict": edited(run, tmp, "plain.pt", lambda c: c["model"]),
         "another task's": edited(run, tmp, "task.pt", lambda c: c.update(task="regression")),
         "another shape": edited(run, tmp, "wide.pt", lambda c: c["config"].update(width=16))}
-    more = {"top-k 0": ["--top-k", "0"], "tta unknown": ["--tta", "flop"],
-            "with --evaluate": ["--evaluate", best]}
+    more = {"top-k 0": ["--top-k", "0"], "tta unknown": ["--tta", "flop"]}
     return [paths.get(case, pngs), "--checkpoint", checkpoints.get(case, best), *more.get(case, [])]
 
 
@@ -307,7 +310,8 @@ def bad_arguments(case: str, tmp: Path, pngs: Path, run: Path) -> list:
 def test_each_bad_input_is_one_line(case, digits_run, tmp_path, monkeypatch, capsys):
     run, pngs, _ = digits_run
     argv = bad_arguments(case, tmp_path, pngs, run)
-    line = one_line(*run_main(monkeypatch, capsys, "--predict", *argv, "--out-dir", tmp_path / "out", *CPU))
+    line = one_line(*run_evaluate(monkeypatch, capsys, "--predict", *argv, "--out-dir", tmp_path / "out",
+                                  *CPU))
     assert BAD[case] in line, line
     assert not (tmp_path / "out").exists()
 
@@ -322,7 +326,7 @@ def test_an_unreadable_image_stops_the_workers_at_once(digits_run, tmp_path, mon
     (tmp_path / "bad.png").write_text("hi")
     gc.disable()
     try:
-        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "bad.png", "--checkpoint",
+        line = one_line(*run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "bad.png", "--checkpoint",
                                   run / "best.pt", "--device", "cpu", "--num-workers", "1"))
         assert "--predict: cannot read image" in line and multiprocessing.active_children() == []
     finally:
@@ -336,6 +340,6 @@ def test_inputs_that_are_not_images_are_one_line(tmp_path, monkeypatch, capsys):
                               "--epochs", "1", "--batch-size", "32", "--out-dir", str(tmp_path / "run")]))
     Image.new("L", (8, 8)).save(tmp_path / "x.png")
     for tta in ("none", "flip"):
-        line = one_line(*run_main(monkeypatch, capsys, "--predict", tmp_path / "x.png", "--checkpoint",
+        line = one_line(*run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "x.png", "--checkpoint",
                                   tmp_path / "run" / "best.pt", "--tta", tta, *CPU))
         assert "was trained on inputs that are not images (--dataset waves)" in line

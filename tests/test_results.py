@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import crash_at_step, run_main
+from conftest import build_loaders, crash_at_step, run_evaluate, run_main
 from test_faults import TINY, save_png
 from test_images import FLAGS
 from test_resume import assert_same_state, final_state
@@ -14,7 +14,6 @@ from test_resume import assert_same_state, final_state
 import task
 import train
 from configs import Config, UserError, parse_config, parse_given
-from data import build_loaders
 from models import build_model
 
 CPU = torch.device("cpu")
@@ -35,7 +34,7 @@ def test_early_stop_ends_a_run_that_cannot_improve_and_says_so(tmp_path, monkeyp
     assert torch.load(tmp_path / "best.pt", weights_only=True)["run"]["best"] == summary["best_val_acc"]
     # the test split, once, through best.pt: what --evaluate --split test gives, to the bit
     assert f"test acc {100 * summary['test_acc']:.2f}% (best.pt)" in out.splitlines()[-1]
-    code, _, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "best.pt", "--split", "test")
+    code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", tmp_path / "best.pt", "--split", "test")
     report = json.loads((tmp_path / "eval.json").read_text())
     assert code == 0 and report["split"] == "test" and report["test_size"] == summary["test_size"] == 16, err
     assert (report["test_acc"], report["test_loss"]) == (summary["test_acc"], summary["test_loss"])
@@ -79,7 +78,7 @@ def test_ema_resumes_bit_identical_and_is_what_evaluation_uses(tmp_path, monkeyp
 
     assert val_loss(straight["ema"]) == pytest.approx(summary["val_loss"], rel=1e-6)
     assert abs(val_loss(straight["model"]) - summary["val_loss"]) > 1e-3
-    code, out, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "straight" / "last.pt")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", tmp_path / "straight" / "last.pt")
     assert code == 0, err
     report = json.loads((tmp_path / "straight" / "eval.json").read_text())
     assert report["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
@@ -162,7 +161,7 @@ def test_evaluate_split_test_on_data_without_one_is_one_line(tmp_path, monkeypat
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert code == 0 and summary["test_size"] is None and "test_acc" not in summary, err
     assert ", test acc" not in out.splitlines()[-1] and "val acc" in out.splitlines()[-1]
-    code, out, err = run_main(monkeypatch, capsys, "--evaluate", tmp_path / "run" / "best.pt",
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", tmp_path / "run" / "best.pt",
                               "--split", "test")
     assert code == 2 and err == ("error: --split test: imagefolder here has no test split (imagefolder: "
                                  "a test/ folder beside train/ and val/; csv: a test.csv); evaluate "

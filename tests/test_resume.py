@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import LAUNCH, ROOT, TORCHRUN, run_script
 
-import checkpoints
 from configs import UserError
+from machinery import checkpoints, files
 
 RUN = ["--dataset", "synthetic", "--synthetic-size", "512", "--image-size", "16", "--width", "16",
        "--batch-size", "32", "--epochs", "3", "--device", "cpu", "--schedule", "onecycle",
@@ -142,7 +142,7 @@ def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     def crash(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoints.os, "replace", crash)
+    monkeypatch.setattr(files.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         checkpoints.write_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
     assert checkpoints.load_checkpoint(path)["step"] == 1
@@ -232,7 +232,7 @@ def test_torchrun_two_processes_gloo_then_resume(tmp_path):
     assert [f for f in files if f.startswith("events.out")].__len__() == 1
     assert [f for f in files if f.endswith(".pt")] == ["best.pt", "last.pt"]
     # the test split through best.pt: rank 0 read it, both ranks ran their shards; one process agrees
-    evaluated = run_script("train.py", "--evaluate", str(straight / "best.pt"), "--split", "test")
+    evaluated = run_script("evaluate.py", "--checkpoint", str(straight / "best.pt"), "--split", "test")
     report = json.loads((straight / "eval.json").read_text())
     assert evaluated.returncode == 0 and report["test_size"] == summary["test_size"] == 64, evaluated.stderr
     assert report["test_acc"] == summary["test_acc"]

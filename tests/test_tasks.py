@@ -14,10 +14,10 @@ from forks import multilabel, regression
 from test_resume import assert_same_state, final_state
 from test_sync import per_step
 
-import checkpoints
 import task as classification
 import train
 from configs import Config, UserError, parse_given, validate
+from machinery import checkpoints
 
 TASKS = {  # the task module, the dataset entry it needs (if any), its data flags
     "classification": (classification, None,
@@ -67,8 +67,8 @@ def test_micro_batches_step_as_one_batch(name, tmp_path, monkeypatch):
     from test_accumulation import bn_free_net
 
     task, flags = use(name, monkeypatch)
-    monkeypatch.setattr(train, "build_model", lambda cfg, channels, outputs, device: bn_free_net(channels,
-                                                                                                 outputs))
+    monkeypatch.setattr(train, "build_model",
+                        lambda cfg, channels, outputs, device, **_: bn_free_net(channels, outputs))
     runs = []
     batches = {"whole": ["--batch-size", "24"], "micro": ["--batch-size", "8", "--accum-steps", "3"]}
     for run, batch in batches.items():

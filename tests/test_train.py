@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_scalars, run_main
+from conftest import read_scalars, run_evaluate
 
 import models
 import train
@@ -95,7 +95,7 @@ def test_mnist_from_tiny_idx_files(tmp_path, monkeypatch, capsys):
     assert summary["train_size"] + summary["val_size"] == 96 and summary["test_size"] == 32
     assert 6 <= summary["val_size"] <= 14  # a tenth of each class's
     assert scalars["test/acc"] == [(summary["steps"], pytest.approx(summary["test_acc"]))]
-    code, _, err = run_main(monkeypatch, capsys, "--evaluate", out / "best.pt", "--split", "test")
+    code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", out / "best.pt", "--split", "test")
     report = json.loads((out / "eval.json").read_text())
     assert code == 0 and report["test_acc"] == summary["test_acc"] and report["test_size"] == 32, err
 
@@ -194,7 +194,7 @@ def probe(monkeypatch):
     seen = {"inputs_channels_last": set(), "weights_channels_last": None, "logits": set(),
             "grad_norms": []}
 
-    def build_model(cfg, channels, num_classes, device="cpu"):
+    def build_model(cfg, channels, num_classes, device="cpu", **options):
         model = models.build_model(cfg, channels, num_classes, device)
         kernel = next(p for p in model.parameters() if p.ndim == 4)
         seen["weights_channels_last"] = kernel.is_contiguous(memory_format=torch.channels_last)

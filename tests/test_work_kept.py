@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import LAUNCH, ROOT, fingerprint, run_main, run_script
 
-import checkpoints
 import train
 from configs import parse_config
+from machinery import checkpoints, run_folder
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "64", "--num-classes", "2", "--image-size", "8",
         "--width", "4", "--batch-size", "16", "--device", "cpu", "--num-workers", "0"]  # 4 steps an epoch
@@ -214,23 +214,23 @@ def test_a_second_signal_waits_for_the_save_it_arrives_in(tmp_path, monkeypatch,
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 3
 
 
-@pytest.mark.parametrize("where", ["start-up", "the range test"])
+@pytest.mark.parametrize("where", ["start-up", "the optimizer's building"])
 def test_ctrl_c_outside_the_loop_is_one_line(where, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "build_loaders" if where == "start-up" else "find_lr", interrupted)
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--lr", "find", "--out-dir", tmp_path)
+    monkeypatch.setattr(train, "build_loaders" if where == "start-up" else "build_optimizer", interrupted)
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--out-dir", tmp_path)
     assert "interrupted by SIGINT outside the training loop" in one_line(code, err, 128 + signal.SIGINT)
     assert not list(tmp_path.glob("*.pt"))
 
 
 def test_the_lock_is_one_per_process_and_released_at_exit(tmp_path):
-    checkpoints.claim_out_dir(tmp_path / "a")
-    checkpoints.claim_out_dir(tmp_path / "a")  # this process's own lock: taken again
+    run_folder.claim(tmp_path / "a")
+    run_folder.claim(tmp_path / "a")  # this process's own lock: taken again
     assert (tmp_path / "a" / ".lock").read_text().split()[0] == str(os.getpid())
     folder = str(tmp_path / "b")
-    script = f"import checkpoints; from pathlib import Path; checkpoints.claim_out_dir(Path({folder!r}))"
+    script = f"from machinery import run_folder; from pathlib import Path; run_folder.claim(Path({folder!r}))"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "b").exists(), "the folder made for the lock outlived it"

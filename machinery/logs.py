@@ -1,8 +1,8 @@
-"""What a run shows and leaves behind for people: TensorBoard, summary.json and eval.json, and the
-pictures in both (drawn with PIL, about 10 ms each, so they can be drawn at every evaluation).
+"""What a run shows and leaves behind for people: TensorBoard, summary.json and eval.json, predictions.csv,
+and the lines printed at start-up and at the end.
 
-What is shown comes from the task (task.py: its metrics and its pictures); this module only
-writes it, on rank 0, and turns a failed write into one line.
+What is shown comes from the task (task.py: its metrics and its pictures); this module only writes it, on
+rank 0, and turns a failed write into one line.
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import math
+import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from checkpoints import reporting_write_errors, write_bytes_atomic, write_json_atomic
 from configs import Config
+from machinery import processes
+from machinery.files import reporting_write_errors, write_bytes_atomic, write_json_atomic
+from machinery.pictures import write_png_atomic
 
 # ---------------------------------------------------------------- TensorBoard
 
@@ -28,9 +32,8 @@ class TensorBoard(contextlib.AbstractContextManager):
     call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
     out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's).
 
-    Scalars are kept on the host (`point`) and written at once (`write`: log points and saves), in this
-    thread, appended to the writer's own event file: TensorBoard's add_scalar hands each point to its
-    writer thread, ~5x the CPU a point (docs/speed.md). Pictures go through the writer."""
+    Scalars are kept on the host (`point`) and handed to the writer at log points (`write`), so that a
+    step does no host work for them; `flush` (before each save) puts all so far in the file."""
 
     def __init__(self, out_dir: Path, resumed_step: int | None, active: bool):
         """One run, one set of curves: a new run first moves an earlier run's event files into a subfolder
@@ -55,10 +58,8 @@ class TensorBoard(contextlib.AbstractContextManager):
                 self.moved.mkdir()
                 for path in earlier:
                     path.rename(self.moved / path.name)
-            suffix = f".{uuid.uuid4().hex[:8]}"  # names this writer's event file among the run's
             purge = None if resumed_step is None else resumed_step + 1
-            self.writer = SummaryWriter(str(out_dir), purge_step=purge, filename_suffix=suffix)
-            self.event_file = next(out_dir.glob(f"events.out.tfevents.*{suffix}"))
+            self.writer = SummaryWriter(str(out_dir), purge_step=purge)
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
@@ -73,25 +74,20 @@ class TensorBoard(contextlib.AbstractContextManager):
         if self.writer:
             self.points.append((tag, step, value))
 
-    def write(self) -> None:
-        """The points kept so far, framed in memory and appended to the event file in one write, once
-        the writer has written what it was given before (its thread then waits for more)."""
-        if not (self.writer and self.points):
-            return
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
-        buffer, now = io.BytesIO(), time.time()
-        with self._errors():
-            framed = RecordWriter(buffer)
-            for tag, step, value in self.points:
-                point = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-                framed.write(Event(wall_time=now, step=step, summary=point).SerializeToString())
-            self.writer.flush()
-            with open(self.event_file, "ab") as f:
-                f.write(buffer.getvalue())
+    def write(self, *points: tuple[str, int, float]) -> None:
+        """The points kept so far and `points` (tag, step, value) to the writer, whose thread writes them."""
+        if self.writer:
+            with self._errors():
+                for tag, step, value in [*self.points, *points]:
+                    self.writer.add_scalar(tag, value, step)
         self.points = []
+
+    def flush(self) -> None:
+        """Everything so far into the event file: before a save, so that the log holds each step saved."""
+        self.write()
+        if self.writer:
+            with self._errors():
+                self.writer.flush()
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
@@ -103,11 +99,13 @@ class TensorBoard(contextlib.AbstractContextManager):
 
     def finish(self, hparams: dict, metrics: list[str]) -> None:
         """The HPARAMS tab's row for this run, then flush and close. Its metric columns are the run's
-        own scalar curves (their last values), so no one-point charts appear as add_hparams() makes."""
+        own scalar curves (their last values): add_hparams() would write each again, as one-point charts
+        in a subfolder, so its summaries go to this writer's file instead."""
         if not self.writer:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
+        self.write()
         with self._errors():
             for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
                 self.writer.file_writer.add_summary(summary)
@@ -134,25 +132,64 @@ def quiet_tensorboard_thread() -> None:
 # ---------------------------------------------------------------- what the loop shows
 
 
-def announce(cfg: Config, task, info, moved: Path | None, say) -> None:
+def announce(cfg: Config, task, info, moved: Path | None) -> None:
     """What this run's data is, said once at start-up, with what was checked and changed (`moved`: where
     an earlier run's TensorBoard logs went)."""
     test = "" if info.test_size is None else f" / {info.test_size} test"
-    say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs "
-        f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
+    processes.say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs "
+                  f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
     moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
-    for note in filter(None, [*info.notes, task.pictures_note(info.images), moved]):
-        say(note)
+    processes.say(*filter(None, [*info.notes, task.pictures_note(info.images), moved]))
 
 
-def log_evaluation(result, task, names: list[str], to_pixels, step: int, tensorboard: TensorBoard, *,
+def describe_run(cfg: Config, model, where: tuple, lr: float, total_steps: int) -> None:
+    """The line that says what trains: the model, where (device, AMP dtype) and how."""
+    (device, amp_dtype), world_size = where, processes.world_size()
+    processes.say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {device}"
+                  f"{f' x{world_size} processes' if world_size > 1 else ''}, amp {amp_dtype or 'off'}, "
+                  f"{cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer steps")
+
+
+def progress_bar(total: int, done: int, desc: str) -> tqdm:
+    """An epoch's progress bar, in a terminal on rank 0 (not in a log file); the loop updates it at log
+    points only."""
+    shown = processes.rank() == 0 and sys.stdout.isatty()
+    return tqdm(total=total, initial=done, leave=False, desc=desc, disable=not shown)
+
+
+class Speed:
+    """Examples a second of each epoch (all processes'), from its first batch to its evaluation; the
+    steady figure leaves out the first epoch, which pays for warm-up and compilation."""
+
+    def __init__(self):
+        self.rates, self.first, self.began = [], 0, 0.0
+
+    def start(self, batch: int) -> None:
+        self.first, self.began = batch, time.perf_counter()
+
+    def end(self, batches: int, batch_size: int, device, images: bool) -> str:
+        """The epoch's figure as its line shows it; "" where it trained no batch (a resume at its end)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the epoch's time includes the work still queued
+        examples = batch_size * (batches - self.first)
+        if not examples:
+            return ""
+        self.rates.append(examples / max(time.perf_counter() - self.began, 1e-9))
+        return f"  ({self.rates[-1]:,.0f} {'img' if images else 'examples'}/s)"
+
+    def steady(self) -> float:
+        steady = self.rates[1:] or self.rates
+        return sum(steady) / len(steady) if steady else math.nan
+
+
+def log_evaluation(result, task, names: list[str], batches, step: int, tensorboard: TensorBoard,
                    split: str = "val") -> None:
     """An evaluation's metrics and pictures to TensorBoard, as `split`/<name>, at the step where its epoch
-    ended (the test split's: the run's last step)."""
-    for name in task.METRICS:
-        tensorboard.point(f"{split}/{name}", step, result.metrics[name])
-    tensorboard.write()
-    pictures = task.pictures(result, names, to_pixels)
+    ended (the test split's: the run's last step); None (no test split): nothing."""
+    if result is None:
+        return
+    tensorboard.write(*[(f"{split}/{name}", step, result.metrics[name]) for name in task.METRICS])
+    pictures = task.pictures(result, names, batches.to_pixels)
     tensorboard.images({f"{split}/{name}": picture for name, picture in pictures.items()}, step)
 
 
@@ -164,11 +201,13 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
                  "the next part resumed from (time after a part's last save was lost)")
 
 
-def run_summary(task, val, progress, seconds: float, facts: dict, *, test=None) -> dict:
+def run_summary(task, evaluations: tuple, progress, seconds: float, facts: dict) -> dict:
     """summary.json: the task's last val metrics (val_<name>), the best main metric and best.pt's test
-    metrics (test_<name>, where the data has a test split), then how the run went: `progress`
-    (train.Progress) as it ended, this part's `seconds`, and `facts` (epochs, examples_per_second, lr,
-    world_size, device, ranks_in_sync, the splits' sizes). A run ends after one evaluation or more."""
+    metrics (test_<name>, where the data has a test split: `evaluations` is (val, test or None)), then how
+    the run went: `progress` (train.Progress) as it ended, this part's `seconds`, and `facts` (epochs,
+    examples_per_second, lr, world_size, device, ranks_in_sync, the splits' sizes). A run ends after one
+    evaluation or more."""
+    val, test = evaluations
     metrics = {f"val_{name}": val.metrics[name] for name in task.METRICS}
     metrics |= {f"test_{name}": test.metrics[name] for name in task.METRICS} if test else {}
     cover = SECONDS_COVER if progress.part == 1 else f"{SECONDS_COVER}; {RESUMED_COVER}"
@@ -239,86 +278,3 @@ def write_predictions(path: Path, header: list[str], rows: list[list], files: li
     print(f"{count} predicted -> {path}{more}" + (f"; {skipped}" if skipped else ""))
 
 
-# ---------------------------------------------------------------- pictures
-
-
-def write_png_atomic(path: str | Path, picture) -> None:
-    """A picture (H, W, 3 uint8 array) written whole or not at all, one line on failure."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(picture).save(buffer, format="PNG")
-    write_bytes_atomic(path, buffer.getvalue())
-
-
-def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
-    """Images (N, C, H, W, values in [0, 1]) side by side, each with its caption underneath. Small images
-    are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to tiles of 64-160 px;
-    one channel is shown as gray, other channel counts by their first."""
-    import numpy as np
-    from PIL import Image, ImageDraw, ImageFont
-
-    pixels = pixels.float()
-    side = max(pixels.shape[-2:])
-    if side < 64:
-        pixels = torch.nn.functional.interpolate(pixels, scale_factor=-(-64 // side), mode="nearest")
-    elif side > 160:
-        size = [round(d * 160 / side) for d in pixels.shape[-2:]]
-        pixels = torch.nn.functional.interpolate(pixels, size=size, mode="bilinear", antialias=True)
-    pixels = pixels[:, :3] if pixels.shape[1] == 3 else pixels[:, :1].expand(-1, 3, -1, -1)
-    tiles = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    n, h, w = tiles.shape[:3]
-    font, gap, text = ImageFont.load_default(size=11), 4, 14
-    columns = min(columns, n)
-    rows = -(-n // columns)
-    canvas = Image.new("RGB", (columns * (w + gap) + gap, rows * (h + text + gap) + gap), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i in range(n):
-        x, y = gap + (i % columns) * (w + gap), gap + (i // columns) * (h + text + gap)
-        canvas.paste(Image.fromarray(tiles[i]), (x, y))
-        draw.text((x, y + h + 1), _fitted(captions[i], w, font), fill="black", font=font)
-    return np.asarray(canvas)
-
-
-def confusion_picture(confusion: list[list[int]], names: list[str]):
-    """Rows: true class; columns: predicted class; each row normalized to sum to 100%."""
-    import numpy as np
-    from PIL import Image, ImageDraw, ImageFont
-
-    n = len(confusion)
-    cell = max(4, min(32, 640 // n))
-    font = ImageFont.load_default(size=10 if cell >= 12 else max(cell - 1, 6))
-    labels = [_fitted(name, 110, font) for name in names] if cell >= 8 else [""] * n
-    margin = 8 + max([int(font.getlength(label)) for label in labels] + [0])
-    head = 22
-    canvas = Image.new("RGB", (margin + n * cell + 8, head + margin + n * cell + 8), "white")
-    draw = ImageDraw.Draw(canvas)
-    draw.text((4, 4), "rows: true class, columns: predicted, % of each row", fill="black",
-              font=ImageFont.load_default(size=11))
-    top = Image.new("RGB", (margin, n * cell), "white")  # column labels, drawn across, then turned
-    top_draw = ImageDraw.Draw(top)
-    for i, (row, label) in enumerate(zip(confusion, labels, strict=True)):
-        y = head + margin + i * cell
-        draw.text((margin - 4, y + cell / 2), label, fill="black", font=font, anchor="rm")
-        top_draw.text((4, i * cell + cell / 2), label, fill="black", font=font, anchor="lm")
-        total = sum(row)
-        for j, count in enumerate(row):
-            share = count / total if total else 0.0
-            color = tuple(round(255 - share * (255 - c)) for c in (8, 48, 107))  # white to dark blue
-            x = margin + j * cell
-            draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill=color,
-                           outline=(225, 225, 225) if cell >= 12 else None)
-            if cell >= 24 and count:
-                draw.text((x + cell / 2, y + cell / 2), str(round(100 * share)), font=font, anchor="mm",
-                          fill="white" if share > 0.5 else "black")
-    canvas.paste(top.rotate(90, expand=True), (margin, head))
-    return np.asarray(canvas)
-
-
-def _fitted(text: str, width: int, font) -> str:
-    """`text`, shortened with '..' until it fits `width` pixels."""
-    if font.getlength(text) <= width:
-        return text
-    while text and font.getlength(text + "..") > width:
-        text = text[:-1]
-    return text + ".."

@@ -1,0 +1,145 @@
+"""Use a saved model: `python evaluate.py [--checkpoint runs/x/best.pt] [--split test]` runs a split once
+through it and writes eval.json beside it; `--predict PATH` predicts images with it instead, into
+predictions.csv. Both build the model and read the data as its run did (its checkpoint keeps how), and
+train nothing. In your own code, `load_trained(path)` gives the model a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import task as default_task
+from configs import Config, UserError, parse_given, validate
+from configs.resolve import evaluated_config
+from data import IMAGE_SUFFIXES, csv_rows, image_files, named
+from machinery import checkpoints, logs, processes, stops
+from machinery.batches import Batches, ImageSteps, Serving, UnreadableImage
+from machinery.contract import check_model
+from machinery.weights import load_weights
+from models import amp_setup, autocast, build_model
+from train import CHOICES, evaluate, setup
+
+
+def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
+    """The --split (val or test) once through the model in --checkpoint (a train.py checkpoint, or a plain
+    state_dict with the model and data given as flags). Writes eval.json and the task's pictures next to
+    the checkpoint (or into an --out-dir `given` here)."""
+    path = Path(cfg.checkpoint)
+    if not path.is_file():
+        raise UserError(f"--checkpoint {path}: no such file (a best.pt, last.pt or state_dict); train first "
+                        "or pass --checkpoint PATH")
+    ckpt = checkpoints.load_checkpoint(path)
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check, cfg as given
+    if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
+        print(edited)
+    cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
+    rank, world_size, device = processes.start(cfg.device)
+    splits, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=False)
+    with splits:
+        if cfg.split == "test" and splits.test is None:
+            raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ "
+                            "folder beside train/ and val/; csv: a test.csv); evaluate --split val")
+        batches = splits.test if cfg.split == "test" else splits.val
+        checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
+        load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
+        check_model(model, batches, task, cfg, info)
+        result = evaluate(model, batches, task, cfg, info, amp_setup(device, cfg.amp)[0])
+    out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
+    report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
+              f"{cfg.split}_size": batches.num_examples,
+              **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
+    if rank == 0:
+        logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
+
+
+@torch.no_grad()
+def predict(cfg: Config, given: dict, task=default_task) -> None:
+    """--predict PATH: each image through a saved model, read as its run read its own (the checkpoint
+    keeps how), one row each from the task, in predictions.csv next to the checkpoint (or in an
+    --out-dir `given` here). The outputs stay on the device until the last batch: one read in all."""
+    path = Path(cfg.checkpoint)
+    ckpt = checkpoints.load_predictor(path, task)
+    cfg = evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
+    device, names = processes.pick_device(cfg.device), ckpt["data"]["names"]
+    reading = ckpt["inputs"]["reading"]  # how the run read its images
+    batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), reading, device)
+    model = build_model(cfg, reading["channels"], len(names), device, fresh=False).eval()
+    load_weights(model, ckpt, len(names), f"--checkpoint {path}", new_head=False)
+    amp_dtype, outputs = amp_setup(device, cfg.amp)[0], []
+    try:
+        with logs.progress_bar(len(batches), 0, "predict") as bar:
+            for images, _ in batches.epoch(0):
+                with autocast(device, amp_dtype):
+                    outputs.append(predicted(model, images, cfg.tta))
+                bar.update()
+    except UnreadableImage as err:
+        line = re.sub(r" \(class folder '.*?'\)", "", str(err))  # these files are of no class
+        raise UnreadableImage(f"--predict: {line}; move it away, or list the others in a CSV") from None
+    finally:
+        batches.close()  # its workers stop now, not when the traceback's frames go
+    header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
+    out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
+    logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+
+
+def predicted(model: torch.nn.Module, images: torch.Tensor, tta: str) -> torch.Tensor:
+    """A batch's outputs; --tta flip averages in the mirror images' (per-pixel outputs flipped back, so
+    that each pixel's output meets its own)."""
+    outputs = model(images).float()
+    if tta != "flip":
+        return outputs
+    mirrored = model(images.flip(-1)).float()
+    if mirrored.ndim > 2 and mirrored.shape[-1] == images.shape[-1]:  # a map over the image's columns
+        mirrored = mirrored.flip(-1)
+    return (outputs + mirrored) / 2
+
+
+def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.device) -> tuple:
+    """Images a model never saw (a file, a folder's searched recursively, or a CSV's first column), read
+    as its run read its own (`reading`: its DataInfo.reading, which its checkpoint keeps); files; skipped."""
+    if not path.exists():
+        raise UserError(f"--predict {named(path)}: no such file or folder (an image, a folder, a CSV)")
+    listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
+    found = ([file for file, _ in csv_rows(path.parent, path.name, notes, labels=False)] if listed else
+             sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
+    if not files:
+        what = "is not an image file" if path.is_file() else "holds no image files"
+        raise UserError(f"--predict {named(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
+    said = [f"{len(found) - len(files)} skipped (not image files)"] if len(found) > len(files) else []
+    skipped = "; ".join(said + [note.removeprefix("csv: ") for note in notes])
+    as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
+    steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
+                       channels_last=cfg.channels_last, resize=reading["resize"])
+    source = image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, []).train
+    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
+    return Batches(source, None, serving, train=False, image=steps), files, skipped
+
+
+def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict]:
+    """The model in a train.py checkpoint, for your own code: built as it was trained, its weights
+    loaded, in eval mode on `device`; and the checkpoint, whose "data" names the outputs ("names") and
+    whose "inputs" says what the model takes ("shape", "dtype", and for images how they were read)."""
+    ckpt = checkpoints.load_checkpoint(path)
+    if not (isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("inputs"), dict)):
+        raise UserError(f"{path} is not a checkpoint of this train.py (it records no config or inputs)")
+    cfg = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+    names = ckpt["data"]["names"]
+    model = build_model(cfg, ckpt["inputs"]["shape"][0], len(names), device, fresh=False)
+    load_weights(model, ckpt, len(names), str(path), new_head=False)
+    return model.eval(), ckpt
+
+
+def main() -> None:
+    with stops.one_line("; nothing was written: run the command again"):
+        given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
+        cfg = Config(**given)
+        (predict if cfg.predict else evaluate_checkpoint)(cfg, given)
+
+
+if __name__ == "__main__":
+    main()

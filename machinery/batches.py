@@ -1,0 +1,379 @@
+"""Batches of (inputs, targets) on the training device, for each split of a dataset entry's Source.
+
+Tensors that fit stay on the device and are served in whole batches (airbench-style); files are read by
+DataLoader workers. uint8 [N, C, H, W] inputs are images: crop and flip, normalization from 0..255,
+channels_last and resizing to a model's size, in whole batches on the device. Each epoch's order and
+augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from configs import Config, UserError
+from machinery.contract import IGNORE_INDEX, Targets, as_taken, check_splits
+from machinery.signals import worker_init
+
+DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
+
+
+class UnreadableImage(UserError):
+    """An image file that cannot be decoded; the message names the file and its class folder. From a
+    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
+
+    def __init__(self, message: str):
+        worker = "Original Traceback" in message
+        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
+
+
+@dataclass
+class DataInfo:
+    input_shape: tuple[int, ...]  # one example as the model gets it, (1, 8, 8) or (1, 256): [0] are channels
+    input_dtype: torch.dtype  # as the model gets it: float32 for images
+    names: list[str]  # one per model output: len(names) outputs
+    class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
+    train_size: int
+    val_size: int
+    loader: str  # what serves the batches, said once at start-up
+    images: bool  # whether the image steps apply
+    test_size: int | None = None  # None: the data has no test split
+    notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
+    reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
+    batches: int = 0  # this process's training batches per epoch
+
+    def sizes(self) -> dict:
+        return {"train_size": self.train_size, "val_size": self.val_size, "test_size": self.test_size}
+
+    def data_record(self) -> dict:
+        """What a checkpoint records of the data, which a resume checks: the splits' sizes, the batches
+        per epoch (they fix the schedule) and the names of the outputs."""
+        return {**self.sizes(), "batches": self.batches, "names": self.names}
+
+    def inputs_record(self) -> dict:
+        """What a checkpoint records of the inputs: evaluate.py (--predict, load_trained) reads it."""
+        dtype = str(self.input_dtype).removeprefix("torch.")
+        return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading}
+
+
+@dataclass
+class ImageSteps:
+    """What image batches get on the device: crop and flip (training only), then normalization."""
+
+    mean: torch.Tensor  # per channel, in [0, 1]
+    std: torch.Tensor
+    pad: int = 0
+    flip: bool = False
+    channels_last: bool = False
+    resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
+
+
+def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
+               shard: tuple[int, int] = (0, 1), class_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's training order, crop offsets and flip flags for an epoch, drawn for the whole dataset
+    from one (seed, epoch) generator, then sharded (`shard`: this rank, of how many) in equal shards, as
+    DistributedSampler's: the same on any device, wherever a resumed run starts. `class_ids`
+    (--balance-classes): n draws with replacement, each class equally likely."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    if class_ids is not None:
+        per_class = torch.bincount(class_ids).double()
+        order = torch.multinomial(1 / per_class[class_ids], n, replacement=True, generator=g)
+    else:
+        order = torch.randperm(n, generator=g)
+    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=g)
+    flips = torch.randint(0, 2, (n,), generator=g, dtype=torch.bool) & flip
+    rank, world_size = shard
+    mine = slice(rank, n // world_size * world_size, world_size)
+    return order[mine], offsets[mine], flips[mine]
+
+
+def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
+            fill: int = 0) -> torch.Tensor:
+    """Random crop after padding with `fill`, then flip, for a batch [N, C, H, W] (or per-pixel targets
+    [N, H, W]): one gather of each pixel's flat index in its padded image (flips read columns backwards),
+    ~5x faster than 4-D indexing; no device reads."""
+    if images.ndim == 3:
+        return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
+    n, c, h, w = images.shape
+    padded_h, padded_w = h + 2 * pad, w + 2 * pad
+    padded = F.pad(images, (pad, pad, pad, pad), value=fill).reshape(n, -1)
+    span = torch.arange(w, device=images.device)
+    cols = offsets[:, 1, None] + torch.where(flips[:, None], span.flip(0), span)
+    rows = (offsets[:, 0, None] + torch.arange(h, device=images.device)) * padded_w
+    planes = torch.arange(c, device=images.device) * (padded_h * padded_w)
+    index = planes[None, :, None, None] + rows[:, None, :, None] + cols[:, None, None, :]
+    return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a split's batches are served: the same for the training and the validation split."""
+
+    batch_size: int  # this process's share of the global batch
+    device: torch.device
+    seed: int = 0  # of the training order and augmentation (epoch_plan), and of the workers
+    rank: int = 0  # under torchrun, this process's shard of each epoch
+    world_size: int = 1
+    num_workers: int = 0  # DataLoader workers, where the data is not on the device
+
+
+class Batches:
+    """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
+    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
+    `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
+
+    def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
+                 image: ImageSteps | None = None, targets: Targets | None = None,
+                 class_ids: torch.Tensor | None = None):
+        self.source, self.labels, self.serving, self.train, self.image = source, labels, serving, train, image
+        self.targets, self.class_ids, self.device = targets, class_ids, serving.device
+        self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
+        self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
+        if image is not None:
+            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(self.device)
+            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(self.device)
+
+    @property
+    def to_pixels(self):  # a function: a batch as the model gets it back to images in [0, 1], to look at.
+        return self.denormalize if self.image else None  # Not kept on self: that cycle kept workers alive
+
+    def __len__(self) -> int:
+        n, bs, ranks = self.num_examples, self.serving.batch_size, self.serving.world_size
+        return n // ranks // bs if self.train else math.ceil(len(range(self.serving.rank, n, ranks)) / bs)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.epoch(0)
+
+    def close(self) -> None:
+        """The DataLoader's workers stop now (a run's end, a failed one's too), not when the collector
+        finds them: the epochs still open end, and the loader goes with its last reference."""
+        for stream in list(self._open):
+            stream.close()
+        self._loader = None
+
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split's first n examples as the model gets them, unaugmented, drawing no random number
+        (read in this process: no worker starts): the start-up check's batch."""
+        batch = ((self.source[:n], self.labels[:n]) if self.on_device else
+                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
+        return self._prepared(*batch)
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        stream = self._epoch(epoch, start)
+        self._open.add(stream)
+        return stream
+
+    def _epoch(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        s, bs = self.serving, self.serving.batch_size
+        pad, flip = (self.image.pad, self.image.flip) if self.image and self.train else (0, False)
+        if self.train:  # shuffled (or drawn by class), cropped and flipped as its (seed, epoch) plan says
+            order, offsets, flips = epoch_plan(self.num_examples, s.seed, epoch, pad=pad, flip=flip,
+                                               shard=(s.rank, s.world_size), class_ids=self.class_ids)
+            order, offsets, flips = order[: len(self) * bs], offsets.to(self.device), flips.to(self.device)
+        else:  # in order, each rank its shard
+            order = torch.arange(s.rank, self.num_examples, s.world_size)
+        if self.on_device:
+            raw = ((self.source[idx], self.labels[idx]) for idx in order.to(self.device).split(bs)[start:])
+        else:
+            raw = self._from_workers(order[start * bs:].tolist())
+        try:
+            for i, (inputs, targets) in enumerate(raw, start):
+                window = slice(i * bs, i * bs + len(inputs))
+                crops = (offsets[window], flips[window]) if pad or flip else None
+                yield self._prepared(inputs, targets, crops)
+        except Exception as err:  # the loader's frames in its traceback would keep its workers alive
+            traceback.clear_frames(err.__traceback__)
+            raise
+        finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
+            del raw
+
+    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops=None):
+        """A batch on the device as the model and the task take it: training images cropped and flipped by
+        `crops` ((offsets, flips); dense targets with them), then normalized."""
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
+        if self.targets is not None:
+            targets = as_taken(targets, self.targets.kind)
+        if self.image is None:
+            return (inputs.float() if inputs.is_floating_point() else inputs), targets
+        if crops is not None:
+            inputs = augment(inputs, *crops, self.image.pad)
+            if self.targets is not None and self.targets.dense:
+                targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
+        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
+        x = inputs.to(dtype=torch.float32, memory_format=memory)
+        if self.image.resize:
+            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
+        return x.mul_(self.scale).sub_(self.shift), targets
+
+    def _from_workers(self, indices: list[int]):
+        """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
+        generator, as the global one (dropout's too) would start a resumed run's passes elsewhere. Its
+        workers leave a signal to this process (signals.worker_init), which stops them in order: a
+        SIGTERM to the process group killed them mid-batch, in 60-80 lines."""
+        if self._loader is None:
+            s, self._order = self.serving, []  # the sampler: a list, given each pass's order in place
+            self._loader = torch.utils.data.DataLoader(
+                self.source, batch_size=s.batch_size, sampler=self._order, num_workers=s.num_workers,
+                pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
+                worker_init_fn=worker_init, generator=torch.Generator().manual_seed(s.seed))
+        self._order[:] = indices
+        return iter(self._loader)
+
+    def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
+        return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
+
+
+@dataclass
+class Splits:
+    """Each split's batches (test: None where the data has no test split); closing them stops the
+    DataLoader workers of all three."""
+
+    train: Batches
+    val: Batches
+    test: Batches | None = None
+
+    def __enter__(self) -> Splits:
+        return self
+
+    def __exit__(self, *_) -> None:
+        for batches in (self.train, self.val, self.test):
+            if batches is not None:
+                batches.close()
+
+
+def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs,
+                  shard: tuple[int, int] = (0, 1)) -> tuple[Splits, DataInfo]:
+    """Train, val and test batches of a dataset entry's `source` (data.Source) on `device`, sharded for this
+    process (`shard`: its rank, of how many), their targets read and checked as the task takes them
+    (`targets`: task.TARGETS; contract.py), images fitted to what the model needs (`needs`:
+    models.input_needs' answer: size, mean and std)."""
+    rank, world_size = shard
+    if cfg.batch_size % world_size:
+        raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
+    # the splits (tensor targets converted in place by check_splits), none empty: an empty val split trained
+    # a whole epoch, then its tally divided by zero; an empty training split failed at its first example
+    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
+                                                      ("test", source.test)) if examples is not None}
+    for split, examples in splits.items():
+        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
+    files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
+    shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
+    notes = list(source.notes)
+    if not images and needs.size:
+        raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
+                        f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
+    spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
+    image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
+    if images:
+        if source.stats is None:  # the training images' own statistics
+            x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
+            source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
+        resize, mean, std = _fit_images(cfg, needs, (channels, size), source.stats, notes)  # the model's asks
+        flip = source.flip and cfg.flip and cfg.augment
+        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
+        notes.append(_image_steps(image, spec, cfg))
+    else:
+        notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
+                     "normalization or channels_last")
+    notes.append(checked)
+    if cfg.balance_classes and spec.class_ids is None:
+        raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
+                        "class id per example listed up front (tensors, or a Dataset with .targets)")
+    mode = cfg.loader
+    if files and mode == "device":
+        raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
+    if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+        needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
+        mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
+    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
+    served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
+    for split, pair in splits.items():
+        held = ([t.to(device) for t in pair] if mode == "device" else
+                (pair if files else torch.utils.data.TensorDataset(*pair), None))
+        served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
+                                class_ids=spec.class_ids if cfg.balance_classes else None)
+    if mode == "dataloader":
+        check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
+    if len(served["train"]) == 0:
+        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
+                        f"set ({served['train'].num_examples}); lower --batch-size")
+    loader = (f"device-resident tensors on {device.type}" if mode == "device"
+              else f"DataLoader with {cfg.num_workers} workers")
+    reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
+                         "std": image.std.tolist()}
+    info = DataInfo(batches=len(served["train"]), input_shape=(shape[0], resize, resize) if resize else shape,
+                    input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
+                    names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
+                    class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
+                    **{f"{split}_size": batches.num_examples for split, batches in served.items()})
+    return Splits(served["train"], served["val"], served.get("test")), info
+
+
+def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
+    """Which image steps the training batches get, said at start-up; those per-pixel targets cannot
+    follow are refused."""
+    if targets.dense and image.resize:
+        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
+                        "targets cannot be resized with the images: give the dataset images of that size, or "
+                        "use a model that takes these")
+    if targets.dense and image.pad and targets.kind == "values":
+        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
+                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
+                        "dataset's Source")
+    steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
+        ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
+        else [])
+    if not steps:
+        return f"images: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
+    moved = "; the per-pixel targets move with them" if targets.dense else ""
+    return f"images: {' and '.join(steps)} on training batches{moved}"
+
+
+def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
+    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
+    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
+    refused now rather than in the loop; under twice that, said in a note."""
+    if workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage("/dev/shm").free
+    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
+            f"{need / 2**20:.1f} MiB")
+    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
+    if free < need:
+        raise UserError(f"{said}; {fix}")
+    if free < 2 * need:
+        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
+
+
+def _fit_images(cfg: Config, needs, shape: tuple[int, int], stats: tuple, notes: list[str]
+                ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The side images of shape (channels, size) are resized to for cfg.model (0: none), and the mean and
+    std they are normalized with (`stats`, or --pretrained weights'); what changed goes into `notes`."""
+    (channels, size), (mean, std), resize = shape, stats, 0
+    if needs.size and (size != needs.size if needs.exact else size < needs.size):
+        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
+        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
+            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
+        resize = needs.size
+        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
+                     f"{resize} on the device")
+    if needs.mean:  # --pretrained: the normalization the weights were trained with
+        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
+        if channels != 3:
+            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
+        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
+    return resize, mean, std

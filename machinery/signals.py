@@ -1,0 +1,100 @@
+"""The signals that stop a run: Ctrl-C, SIGTERM (systemd, Slurm, `kill`, torchrun stopping its workers),
+SIGHUP (a dropped ssh session) and SIGUSR1 (what Slurm's --signal sends before a time limit).
+
+Outside the training loop a signal raises Interrupted at once. Inside it (mode "defer") a signal only
+sets a flag, which the loop reads after each step (stops.py saves, then stops); a second one stops at
+once, except while a save runs (mode "hold"), which nothing interrupts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import signal
+import threading
+
+import torch
+
+from machinery import processes
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the process where it stands (the scripts say so in one line)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """The handlers for the whole process, and the signal received (0: none)."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received, self.mode, self.previous = 0, "raise", {}
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The handlers for the block (nested blocks share them); only the main thread can have any."""
+        outermost = not self.previous and threading.current_thread() is threading.main_thread()
+        if outermost:
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
+            atexit.register(_end_workers)  # run before multiprocessing's, which would wait for them
+        try:
+            yield self
+        finally:
+            if outermost:
+                for sig, handler in self.previous.items():
+                    signal.signal(sig, handler)
+                self.previous, self.received, self.mode = {}, 0, "raise"
+
+    @contextlib.contextmanager
+    def in_mode(self, mode: str):
+        """"defer" (the loop: save, then stop) or "hold" (a save: nothing interrupts it)."""
+        before, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = before
+
+    def _handle(self, signum, frame):
+        first = not self.received
+        self.received = self.received or signum
+        if self.mode == "hold" or (self.mode == "defer" and first):
+            return
+        raise Interrupted(signum)
+
+    def now(self, log_point: bool, device: torch.device) -> bool:
+        """Stop after this step? Alone: as soon as a signal came. Under torchrun every rank must stop
+        at the same step (one that left would hang the others in DDP's next all-reduce), so they
+        agree by an all-reduce, at log points only, where the loop reads the device anyway."""
+        if not processes.is_distributed():
+            return bool(self.received)
+        return log_point and processes.any_rank(bool(self.received), device)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM
+
+
+SIGNALS = Signals()  # one per process, as signal handlers are
+
+
+def worker_init(worker: int) -> None:
+    """A DataLoader worker's first step: where the main process handles signals (train.py saves first,
+    then ends its workers), a signal to the whole group (systemd, Slurm, kill -TERM -PGID) spares it."""
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the parent's, inherited
+        for sig in Signals.NAMES:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _end_workers() -> None:
+    """At exit: DataLoader workers leave signals to this process (worker_init), so the SIGTERM with which
+    multiprocessing ends them would be ignored, and its wait for them last for ever. (Their end is not
+    an error: torch's SIGCHLD handler, which would say it is, goes first.)"""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
