@@ -648,11 +648,11 @@ def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Te
     dicts, leaves, todo = {}, {}, list(owners)
     while todo:
         obj = todo.pop()
-        if isinstance(obj, dict) and id(obj) not in dicts:
+        if not isinstance(obj, dict):
+            leaves[id(obj)] = obj
+        elif id(obj) not in dicts:  # each dict once, however many hold it
             dicts[id(obj)] = obj, dict(obj)
             todo += [*obj.keys(), *obj.values()]
-        elif not isinstance(obj, dict):
-            leaves[id(obj)] = obj
     values = [(t, t.detach().to("cpu", copy=True)) for t in leaves.values() if isinstance(t, torch.Tensor)]
     for leaf in leaves.values():
         if isinstance(leaf, torch.Generator):
@@ -677,9 +677,9 @@ def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[
     samplers and the generators they draw from. A DataLoader's persistent workers, started or not, are left
     alone: the sweep iterates a shallow copy whose workers stop at the end of each pass (set through vars: a
     DataLoader refuses the attribute once built). A dataset that is an iterator: one warning."""
-    parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    parts = {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)] if hasattr(o, "__dict__")}
-    _keep([vars(o) for o in parts.values()], undo)
+    parts = [loader, getattr(loader, "sampler", None), batches := getattr(loader, "batch_sampler", None),
+             getattr(batches, "sampler", None)]
+    _keep([vars(o) for o in parts if hasattr(o, "__dict__")], undo)  # one named twice is kept once
     if hasattr(type(getattr(loader, "dataset", None)), "__next__"):
         warnings.warn(f"lr_find: the DataLoader's dataset is an iterator ({type(loader.dataset).__name__}): "
                       "the sweep used up what it drew; give lr_find a loader of its own, or the dataset an "
