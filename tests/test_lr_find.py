@@ -807,10 +807,10 @@ def test_a_snapshot_takes_no_accelerator_memory():
     holds the weights (4 MiB) and Adam's moments (8 MiB) once, as before the sweep, and no copy of them."""
     model = nn.Linear(1024, 1024).cuda()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.ones(1, 1024, device="cuda")).sum().backward()
+    batch = (torch.ones(2, 1024, device="cuda"), torch.zeros(2, 1024, device="cuda"))
+    F.mse_loss(model(batch[0]), batch[1]).backward()  # cuBLAS sets up for this shape; the step, the moments
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    batch = (torch.ones(2, 1024, device="cuda"), torch.zeros(2, 1024, device="cuda"))
     before, grown = torch.cuda.memory_allocated(), []
 
     def loss_fn(out, y):
