@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import warnings
-from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -599,142 +598,77 @@ def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]],
 
 # --- internals: snapshot and restore ----------------------------------------------------------
 
-_Kept = namedtuple("_Kept", "live saved")  # a tensor, dict or list, and its contents to put back
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _keep(obj: Any, copies: list) -> Any:
-    """What ``_put_back`` needs to restore ``obj``: tensors get a CPU buffer (pinned for CUDA's) that
-    ``_copy(copies)`` fills, dicts and lists item by item, tuples rebuilt, other values deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        copies.append((torch.empty_like(obj, device="cpu", pin_memory=obj.is_cuda), obj.detach()))
-        return _Kept(obj, copies[-1][0])
-    if isinstance(obj, dict):
-        return _Kept(obj, {k: _keep(v, copies) for k, v in obj.items()})
-    if isinstance(obj, list):
-        return _Kept(obj, [_keep(v, copies) for v in obj])
-    return tuple(_keep(v, copies) for v in obj) if type(obj) is tuple else copy.deepcopy(obj)
-
-
-def _put_back(kept: Any) -> Any:
-    """Restore the very tensors (their values: ``_copy``), dicts and lists that ``_keep`` saw, so whoever
-    holds them sees the old values: unlike ``Optimizer.load_state_dict``, this keeps their identity."""
-    if type(kept) is tuple:
-        return tuple(_put_back(v) for v in kept)
-    if not isinstance(kept, _Kept):
-        return kept
-    live, saved = kept
-    if isinstance(live, dict):
-        live.clear()
-        live.update({k: _put_back(v) for k, v in saved.items()})
-    elif isinstance(live, list):
-        live[:] = [_put_back(v) for v in saved]
-    return live
-
-
-def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool) -> None:
-    """(to, from) pairs, each copied asynchronously where CUDA takes part (the host side is pinned); then,
-    with ``wait``, one sync per CUDA device; without, stream order and the pinned allocator keep it safe."""
-    cuda = {t.device for pair in pairs for t in pair if t.is_cuda}
-    with torch.no_grad():
-        for to, source in pairs:
-            to.copy_(source, non_blocking=bool(cuda))
-    for device in cuda if wait else ():
-        torch.cuda.synchronize(device)
-
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
               undo: contextlib.ExitStack) -> Callable[[], bool]:
-    """Record all a sweep changes, for ``undo`` to put back; return what tells if a trainable weight moved."""
-    copies = []  # (CPU buffer, tensor)
-    # The param groups' own dicts (their params lists left as they are), all of the scaler too: its scale is
-    # created on first use, and must go back to "not created yet".
-    groups = _Kept(optimizer.param_groups, [
-        _Kept(g, {k: v if k == "params" else _keep(v, copies) for k, v in g.items()})
-        for g in optimizer.param_groups])
-    kept = _keep(({(module, name): t for module in model.modules() for name, t in
-                   [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
-                  optimizer.state, vars(scaler) if scaler is not None else {}), copies)
-    weights = [k for k in kept[0].saved.values() if k.live.requires_grad]
-    modes = [(m, m.training) for m in model.modules()]
-    _copy(copies, wait=True)
-
-    def restore() -> None:
-        tensors = _put_back(kept)[0]
-        _put_back(groups)
-        _copy([(tensor, buffer) for buffer, tensor in copies], wait=False)
-        for (module, name), tensor in tensors.items():
-            if getattr(module, name, None) is not tensor:  # the sweep re-bound it
-                setattr(module, name, tensor)
-        for m, training in modes:
-            m.training = training
-        for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
-            p.grad = None
-
-    undo.callback(restore)
-    # Every global RNG a step may draw from, as checkpoints.py captures them (a deliberate copy, so that
-    # this file works alone).
-    undo.callback(torch.set_rng_state, torch.get_rng_state())
+    """Record all a sweep changes, for ``undo`` to put back; return what tells if a trainable weight moved.
+    Kept: the modules', optimizer's (and any it wraps: an LR scheduler's step flag, say) and scaler's
+    attributes (its scale is created on first use, and must go back to "not created yet"), the param groups,
+    and every global RNG a step may draw from, as checkpoints.py captures them (a copy: this file works
+    alone)."""
+    undo.callback(model.zero_grad, set_to_none=True)  # run last, so on the parameters as put back
+    undo.callback(_chain(optimizer)[-1].zero_grad, set_to_none=True)
+    owners = [*model.modules(), *_chain(optimizer), *([scaler] if scaler is not None else [])]
+    values = _keep([*map(vars, owners), *optimizer.param_groups], undo)
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ()
+    undo.enter_context(torch.random.fork_rng(cuda, device_type="cuda"))
     undo.callback(random.setstate, random.getstate())
-    if torch.cuda.is_initialized():
-        undo.callback(torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all())
     if "numpy" in sys.modules:  # touched only when the caller already imported it
         numpy_random = sys.modules["numpy"].random
         undo.callback(numpy_random.set_state, numpy_random.get_state())
-    for o in _chain(optimizer):  # the optimizer and any it wraps: an LR scheduler's step flag, say
-        _keep_attributes(o, undo)
-    return lambda: any(not torch.equal(k.live.detach(), k.saved.to(k.live.device)) for k in weights)
+    weights = [(t, value) for t, value in values if t.requires_grad]
+    return lambda: any(not torch.equal(t.detach(), value.to(t.device)) for t, value in weights)
 
 
-def _keep_attributes(obj: Any, undo: contextlib.ExitStack) -> None:
-    """For ``undo`` to put back: ``obj``'s plain attributes (any added later go), its generators' states."""
-    saved = {k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}
-    for v in vars(obj).values():
-        if isinstance(v, torch.Generator):
-            undo.callback(v.set_state, v.get_state())
-        elif isinstance(v, random.Random):
-            undo.callback(v.setstate, v.getstate())
+def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For ``undo`` to put back, in place: each dict in ``owners`` (objects' attributes, param groups) and
+    every dict inside them, as it is now (keys added later go; lists and tuples stay as they are); the value
+    of each tensor they hold, kept on the CPU and copied back into that very tensor, so whoever holds it (a
+    module, an optimizer's state, a tensor lr) sees it restored, as Optimizer.load_state_dict's new tensors
+    would not; and their random generators' states. Returns each tensor and its kept value."""
+    dicts, leaves, todo = {}, {}, list(owners)
+    while todo:
+        obj = todo.pop()
+        if not isinstance(obj, dict):
+            leaves[id(obj)] = obj
+        elif id(obj) not in dicts:  # each dict once, however many hold it
+            dicts[id(obj)] = obj, dict(obj)
+            todo += [*obj.keys(), *obj.values()]
+    values = [(t, t.detach().to("cpu", copy=True)) for t in leaves.values() if isinstance(t, torch.Tensor)]
+    for leaf in leaves.values():
+        if isinstance(leaf, torch.Generator):
+            undo.callback(leaf.set_state, leaf.get_state())
+        elif isinstance(leaf, random.Random):
+            undo.callback(leaf.setstate, leaf.getstate())
 
     def put_back() -> None:
-        for k in [k for k, v in vars(obj).items() if isinstance(v, _PLAIN) and k not in saved]:
-            delattr(obj, k)
-        vars(obj).update(saved)
+        for live, items in dicts.values():
+            live.clear()
+            live.update(items)
+        with torch.no_grad():
+            for tensor, value in values:
+                tensor.copy_(value)
 
     undo.callback(put_back)
+    return values
 
 
 def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
-    """What the sweep iterates for ``loader``, a _twin if it is a DataLoader with persistent workers; ``undo``
-    puts back what iterating it changes: the generators its samplers draw from, its and their plain
-    attributes. A dataset that is an iterator: one warning."""
-    parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    for o in {id(o): o for o in [*parts, getattr(parts[-1], "sampler", None)]}.values():
-        if hasattr(o, "__dict__"):
-            _keep_attributes(o, undo)
+    """What the sweep iterates for ``loader``; ``undo`` puts back the attributes of the loader and its
+    samplers and the generators they draw from. A DataLoader's persistent workers, started or not, are left
+    alone: the sweep iterates a shallow copy whose workers stop at the end of each pass (set through vars: a
+    DataLoader refuses the attribute once built). A dataset that is an iterator: one warning."""
+    parts = [loader, getattr(loader, "sampler", None), batches := getattr(loader, "batch_sampler", None),
+             getattr(batches, "sampler", None)]
+    _keep([vars(o) for o in parts if hasattr(o, "__dict__")], undo)  # one named twice is kept once
     if hasattr(type(getattr(loader, "dataset", None)), "__next__"):
         warnings.warn(f"lr_find: the DataLoader's dataset is an iterator ({type(loader.dataset).__name__}): "
                       "the sweep used up what it drew; give lr_find a loader of its own, or the dataset an "
                       "__iter__ that starts afresh", UserWarning, stacklevel=3)
     if isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers:
-        return _twin(loader)
+        loader = copy.copy(loader)
+        vars(loader)["persistent_workers"] = False
     return loader
-
-
-def _twin(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
-    """A DataLoader like ``loader``, built from its public attributes, whose workers stop at the end of each
-    pass (or when the sweep drops it): ``loader``'s persistent workers, started or not, are left alone. It
-    shares ``loader``'s dataset, samplers and generator, whose state _keep_loader puts back."""
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        order = {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
-    elif loader.batch_sampler is not None:
-        order = {"batch_sampler": loader.batch_sampler}
-    else:  # batch_size=None: samples one by one, not collated
-        order = {"batch_size": None, "sampler": loader.sampler}
-    return torch.utils.data.DataLoader(
-        loader.dataset, **order, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor, pin_memory_device=loader.pin_memory_device)
 
 
 if __name__ == "__main__":
