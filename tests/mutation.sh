@@ -41,7 +41,7 @@ PY
         return 1
     fi
 }
-hand_mutant train.py "scaled = loss / micro_steps if micro_steps > 1 else loss" "scaled = loss" \
+hand_mutant train.py "(scaler.scale(loss) if scaler else loss).backward(weight)" "(scaler.scale(loss) if scaler else loss).backward()" \
     tests/test_accumulation.py
-hand_mutant checkpoints.py 'restore_rng_state(ckpt["rng"])' 'pass' \
+hand_mutant machinery/checkpoints.py 'restore_rng_state(ckpt["rng"])' 'pass' \
     tests/test_resume.py::test_kill_9_mid_epoch_then_resume_is_bit_identical

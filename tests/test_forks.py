@@ -1,7 +1,7 @@
 """Forks, as users make them: the template copied, task.py replaced (multi-label: BCE + F1; regression:
 MSE + MAE) and a dataset entry added to data.py, or a dataset and a model entry for 1-D signals.
-Nothing else is edited, and every command works: lr_find.py, --lr auto, --lr find, Ctrl-C's
-SIGTERM and --resume to the same weights, --evaluate, TensorBoard."""
+Nothing else is edited, and every command works: lr_find.py, --lr auto, Ctrl-C's SIGTERM and
+--resume to the same weights, evaluate.py (--checkpoint and --predict), TensorBoard."""
 
 import json
 import os
