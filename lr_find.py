@@ -1,9 +1,7 @@
-"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule.
-
-One sweep serves every schedule, but not with one number: onecycle's peak tolerates rates up to where
-the loss bottoms out; schedules that start at their full rate need less, Adam-like optimizers much
-less. All a sweep touches is put back bit for bit. The library needs torch alone (matplotlib and
-TensorBoard to draw), so this file can be copied alone; `python lr_find.py` sweeps train.py's setup."""
+"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule (onecycle's peak
+tolerates rates up to where the loss bottoms out; schedules that start at full rate need less, Adam-like
+optimizers much less). A sweep puts back all it touches. The library needs torch alone (matplotlib and
+TensorBoard to draw): copy this file alone. `python lr_find.py` sweeps train.py's setup."""
 
 from __future__ import annotations
 
@@ -27,14 +25,11 @@ from typing import Any
 
 import torch
 
-# The rule per optimizer kind and schedule family (family_of), as bench/lr_find_rules.py measured
-# (docs/lr_find.md): started at full rate, Adam-like optimizers blow up well below the sweep's bottom;
-# onecycle's best peak is lower too.
+# The rule per optimizer kind and schedule family (family_of), as bench/lr_find_rules.py measured: started
+# at full rate, Adam-like optimizers blow up well below the sweep's bottom (docs/lr_find.md).
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
-# Raw losses in a row above `diverge` x the lowest running median of five that also end a sweep:
-# the moving average lags, and can miss a blow-up that the raw losses show plainly.
-DIVERGED_RUN = 2
+DIVERGED_RUN = 2  # raw losses in a row above diverge x their lowest running median that end a sweep too
 PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
 _READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
@@ -52,22 +47,16 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None, step_mode: str = "exp",
             val_loader: Iterable[Any] | None = None, optimizer_kind: str | None = None,
             normalizer: Callable[[Any], torch.Tensor | float] | None = None) -> LRFindResult:
-    """Train with a growing lr and record the loss of every optimizer step. Batches go to ``device`` whole (a
-    BatchEncoding, or any object with a ``.to``, moves itself). The loss is ``loss_fn(model(inputs),
-    targets)`` for ``(inputs, targets)`` batches, else ``batch_loss(model, batch)``, e.g. ``lambda model,
-    batch: model(**batch).loss``. Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))``
-    (``step_mode="linear"``: a straight line) on the first group, the others keeping their ratio; lists of
-    rates give each group its own. With ``normalizer`` the loss is a batch's sum and ``normalizer(batch)`` (on
-    the device) what it is divided by: a step divides its ``accum_steps`` batches' sum once by their
-    normalizers' sum, exact for weighted and masked means (class weights, ignored pixels, padded tokens);
-    without, each loss is a mean and a step averages them. With ``val_loader`` a step's loss is its mean over
-    it, in eval mode. The sweep stops at a non-finite loss, or (from step ``min_iter_before_stop``) once the
-    smoothed loss passes ``diverge`` x its best, or ``DIVERGED_RUN`` raw losses in a row pass ``diverge`` x
-    their lowest running median of five. All it touched is put back, even on error: model, optimizer, scaler,
-    RNGs, a DataLoader's generators, samplers and workers (an iterator is used up). ``progress(i, lr, loss)``
-    sees each step. ``.suggestion`` serves ``schedule`` (any name: family_of says which suggestion serves it)
-    by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer) or by ``method``; none if no step
-    happened or no weight moved."""
+    """Train with a growing lr and record each optimizer step's loss; then put back all it touched, even on
+    error: model, optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers. The loss is
+    ``loss_fn(model(inputs), targets)``, else ``batch_loss(model, batch)`` (``model(**batch).loss``, say).
+    Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or a straight line) on the first
+    group, the others keeping their ratio; lists give each group its own rates. With ``normalizer`` a loss is
+    a batch's sum, and a step divides its ``accum_steps`` batches' sum once by their normalizers' sum: exact
+    for weighted and masked means. With ``val_loader`` a step's loss is its mean over it. A sweep stops at a
+    non-finite loss or, from ``min_iter_before_stop``, once it diverges (docs/lr_find.md). ``.suggestion``
+    serves ``schedule`` (family_of) by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer)
+    or by ``method``; none if no step happened or no weight moved."""
     def whole(value: Any, low: int) -> bool:
         return isinstance(value, int) and value >= low
 
@@ -93,9 +82,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
-    def on_device(window: list) -> tuple[list, torch.Tensor | int]:
-        """The window's batches on the device, and what their losses' sum is divided by for the window's
-        mean: their normalizers' sum, else their number."""
+    def on_device(window: list) -> tuple[list, torch.Tensor | int]:  # moved, and their losses' divisor
         window = [_to_device(batch, device) for batch in window]
         return window, len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
 
@@ -161,8 +148,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def family_of(schedule: str) -> str:
     """Which suggestion serves ``schedule``: "peak" for onecycle, whose rate is the top of its cycle, and
-    "base" for every other schedule, one of your own included, which starts at its rate. (This file names
-    no other schedule, so that it works alone; python lr_find.py lists the template's in lr_find.json.)"""
+    "base" for any other (yours too), which starts at its rate: this file names no other, to work alone."""
     return "peak" if schedule == "onecycle" else "base"
 
 
@@ -209,8 +195,7 @@ class LRFindResult:
 
 
 def suggest_lr(lrs: Sequence[float], losses: Sequence[float | None], method: str = "minimum") -> float | None:
-    """One rule's pick from a sweep, lr_find.json's lists too (null: a non-finite loss); None, with a
-    UserWarning, when too few points are usable, the loss never decreases, or still falls at the end."""
+    """One rule's pick from a sweep (lr_find.json's lists too); None, with a UserWarning, if it finds none."""
     if method not in RULES:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return _read(suggestion_curve(lrs, losses), {method: method})[0][method][0]
@@ -218,11 +203,9 @@ def suggest_lr(lrs: Sequence[float], losses: Sequence[float | None], method: str
 
 # --- what the rules read, and the rules -------------------------------------------------------
 
-
 @dataclass(frozen=True)
 class SuggestionCurve:
-    """The smoothed loss at the finite points in lr order. Rules pick from ``first`` on (the first
-    points are edge-biased); ``lowest`` is the lowest point from there."""
+    """The smoothed loss at the finite points in lr order; rules pick from ``first`` on (edge bias before)."""
 
     lrs: list[float]
     loss: list[float]
@@ -233,9 +216,8 @@ class SuggestionCurve:
 
 
 def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> SuggestionCurve:
-    """Smooth without shifting: a running median of five (drops lone spikes, keeps a monotone drop
-    sharp), then a Gaussian in log10(lr) of SUGGEST_SIGMA_DECADES (or 1.5 point spacings if wider).
-    The sweep's moving average trails the data, and would move every feature to a higher lr."""
+    """Smooth without shifting (a moving average would move every feature to a higher lr): a running median
+    of five, then a Gaussian in log10(lr) of SUGGEST_SIGMA_DECADES (or 1.5 point spacings if wider)."""
     pairs = [(float(lr), math.nan if v is None else float(v))  # JSON's null: a non-finite loss
              for lr, v in zip(lrs, losses, strict=True) if 0 < lr < math.inf]
     points = sorted((lr, v) for lr, v in pairs if math.isfinite(v))
@@ -258,9 +240,8 @@ def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> Su
 
 
 def minimum(curve: SuggestionCurve) -> float | None:
-    """The lr at the lowest loss, placed between sweep points by a parabola through its neighbours:
-    onecycle's warmup and annealing absorb rates up to where a sweep's loss bottoms out. None when
-    the loss still falls at the end of a sweep that did not blow up."""
+    """The lr at the lowest loss, between points by a parabola through its neighbours (onecycle's warmup
+    absorbs rates up to there); None if the loss still falls at the end of a sweep that did not blow up."""
     i = curve.lowest
     if i == len(curve.lrs) - 1:
         return curve.lrs[i] if curve.exploded else None
@@ -270,30 +251,24 @@ def minimum(curve: SuggestionCurve) -> float | None:
     return 10 ** min(max(vertex, x0), x2)
 
 
-def min_over_3(curve: SuggestionCurve) -> float | None:
-    """A third of ``minimum``: a rate SGD can start at and hold, and an Adam-like onecycle peak."""
-    return None if (lr := minimum(curve)) is None else lr / 3
-
-
-def min_over_10(curve: SuggestionCurve) -> float | None:
-    """A tenth of ``minimum`` (fastai's classic rule): what Adam-like optimizers can start at."""
-    return None if (lr := minimum(curve)) is None else lr / 10
+def fraction_of_minimum(k: int) -> Callable[[SuggestionCurve], float | None]:
+    """A k-th of ``minimum``: a third is a rate SGD can start at and hold, and an Adam-like onecycle peak;
+    a tenth (fastai's classic rule) what Adam-like optimizers can start at."""
+    return lambda curve: None if (lr := minimum(curve)) is None else lr / k
 
 
 RULES: dict[str, Callable[[SuggestionCurve], float | None]] = {
-    "minimum": minimum, "min/3": min_over_3, "min/10": min_over_10}
+    "minimum": minimum, "min/3": fraction_of_minimum(3), "min/10": fraction_of_minimum(10)}
 METHODS = tuple(RULES)
 
 
 # --- saving and drawing a sweep ---------------------------------------------------------------
 
-
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None,
                schedules: Iterable[str] = ()) -> list[Any]:
-    """Write lr_find.png, then lr_find.json (``extra``'s keys join its record), each naming the sweep, and the
-    same picture to TensorBoard in out_dir/lr_find/ (no scalars: against the step index neither loss nor lr
-    means much); returns what it wrote, the record first. Each suggestion lists the schedules it serves: of
-    ``schedules``, onecycle and the sweep's own. An OSError names the file."""
+    """Write lr_find.png, then lr_find.json (with ``extra``'s keys), and the picture to TensorBoard in
+    out_dir/lr_find/; returns what it wrote, the record first. Each suggestion lists the schedules it serves
+    of ``schedules``, onecycle and the sweep's own."""
     (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
               for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
@@ -305,8 +280,7 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
               "suggestions": {f: {"lr": lr, "method": rule, "schedules": served[f], "group_lrs":
                                   result.per_group(lr)} for f, (lr, rule) in result.suggestions.items()},
               **(extra or {})}
-    # The picture first, then the record: both name the sweep (PNG_SWEEP_KEY), so that a record beside another
-    # sweep's picture (a kill -9 between the two writes) can be told, and said (configs/resolve.py).
+    # Both name the sweep (PNG_SWEEP_KEY): --lr auto tells a kill -9 between the two writes
     record["sweep"], drawn = sweep_id(record["lrs"], record["losses"]), io.BytesIO()
     try:
         plot = plot_lr_find(result, schedules=schedules)
@@ -333,9 +307,8 @@ def sweep_id(lrs: Sequence[float], losses: Sequence[float | None]) -> str:
 
 
 def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] = ()) -> Any:
-    """Loss against lr (log x): the raw loss faint, the curve the rules read solid, each suggestion marked and
-    named by the schedules it serves (as in save_sweep), the chosen one red. Draws on ``ax`` or a new
-    matplotlib Figure (no pyplot state or GUI backend involved) and returns it: ``.savefig("lr.png")``."""
+    """Loss against lr: the raw loss faint, the curve the rules read solid, each suggestion marked, the chosen
+    one red. Draws on ``ax`` or a new Figure (no pyplot state, no GUI backend) and returns the figure."""
     from matplotlib.figure import Figure
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
@@ -367,18 +340,14 @@ def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] 
 # --- the command line -------------------------------------------------------------------------
 # pragma: no mutate start (the CLI is not in the mutation score; docs/testing.md)
 
-
 def main(argv: list[str] | None = None) -> None:
-    """`python lr_find.py [--config X.toml] [--flag ...]`: the range test on the run `python train.py` with
-    the same flags would train (its data, model, optimizer and AMP), saved for its --lr auto."""
+    """`python lr_find.py [--flag ...]`: the range test on the run train.py would train, for its --lr auto."""
     try:  # the run's setup, as train.py builds it: lr_find() above needs none of this
         from tqdm import tqdm
 
         import task
         from configs import UserError, command_line, parse_config
-        from machinery import processes, run_folder, stops
-        from machinery.checkpoints import task_identity
-        from machinery.files import reporting_write_errors
+        from machinery import checkpoints, files, processes, run_folder, stops
         from models import OPTIMIZERS, amp_setup, build_optimizer
         from schedules import SCHEDULES
         from train import CHOICES, setup
@@ -409,36 +378,28 @@ def main(argv: list[str] | None = None) -> None:
                              schedule=cfg.schedule, progress=lambda i, lr, loss: bar.update(),
                              method=None if cfg.find_method == "auto" else cfg.find_method,
                              optimizer_kind=OPTIMIZERS[cfg.optimizer].kind)
-        with reporting_write_errors(cfg.out_dir):  # a record that --lr auto checks (machinery/lr_auto.py)
-            wrote = save_sweep(result, {**cfg.to_dict(), "task": task_identity(task)}, cfg.out_dir,
-                               schedules=SCHEDULES)
+        record = {**cfg.to_dict(), "task": checkpoints.task_identity(task)}  # what --lr auto checks
+        with files.reporting_write_errors(cfg.out_dir):
+            wrote = save_sweep(result, record, cfg.out_dir, schedules=SCHEDULES)
+        # What it found, once its files are written (a closed stdout, `| head`, is one line too)
+        alone = "; rank 0 runs it" if world_size > 1 else ""
+        print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
+              f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
+        if result.suggestion is None:
+            fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
+                "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
+            raise UserError(f"no learning rate suggested ({result.why_none}){fix}", 1)
+        served = _served(result, SCHEDULES)
+        others = "".join(f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
+                         in result.suggestions.items() if lr and f != family_of(result.schedule))
+        print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}"
+              f"{others}")
         sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
-        problem = report(result, wrote, SCHEDULES, world_size)  # a closed stdout (`| head`) is one line too
-        if problem:
-            raise UserError(problem, 1)
         processes.say(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
-
-
-def report(result: LRFindResult, wrote: list, schedules: Iterable[str], world_size: int) -> str | None:
-    """What python lr_find.py says once its files are written: the sweep and its suggestions; or why it
-    suggests none, returned."""
-    alone = "; rank 0 runs it" if world_size > 1 else ""
-    print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
-          f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
-    if result.suggestion is None:
-        fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
-            "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
-        return f"no learning rate suggested ({result.why_none}){fix}"
-    served = _served(result, schedules)
-    others = "".join(f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
-                     in result.suggestions.items() if lr and f != family_of(result.schedule))
-    print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}{others}")
-    return None
 
 
 # pragma: no mutate end
 # --- internals: the plan, suggestions, files and the sweep ------------------------------------
-
 
 def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[list[float]]:
     """Each step's lr per param group: lists of rates give one per group, single rates the first
@@ -466,9 +427,8 @@ def _chain(optimizer: Any) -> list[Any]:  # the optimizer and those it wraps in 
 
 
 def _classify(optimizer: Any) -> tuple[str, str]:
-    """("sgd" or "adaptive", how that was told) from the defaults of the optimizer inside any wrappers:
-    betas (running moments), eps (guarding a division by a running gradient scale) or etas (Rprop's
-    sign steps) make steps that keep their size whatever the gradient's scale; SGD's grow with it."""
+    """("sgd" or "adaptive", how that was told) from the innermost optimizer's defaults: betas, eps or etas
+    make steps that keep their size whatever the gradient's scale; SGD's grow with it."""
     chain = _chain(optimizer)
     signs, name = sorted({"betas", "eps", "etas"} & set(chain[-1].defaults)), " in ".join(
         type(o).__name__ for o in reversed(chain))
@@ -489,8 +449,7 @@ def _read(curve: SuggestionCurve, rules: dict[str, str],
 
 
 def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFindResult:
-    """The result of a sweep: each suggestion read from ``losses`` by ``kind``'s rules (``schedule``'s by
-    ``method`` if given), none for a ``stuck`` sweep; ``fields`` are its others (smoothed, stop_reason...)."""
+    """Each suggestion read from ``losses`` by ``kind``'s rules (``schedule``'s by ``method`` if given)."""
     chosen, rules = family_of(schedule), DEFAULT_RULES[kind]
     picks, why = _read(suggestion_curve(lrs, losses), {**rules, chosen: method or rules[chosen]}, stuck)
     fields.setdefault("group_lrs", [[lr] for lr in lrs])
@@ -555,17 +514,15 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
 def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
            progress: Callable[[int, float, float], None] | None, smooth: float, diverge: float,
            min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
-    """``step(rates)`` for each row of ``plan`` until the stop rule (lr_find's docstring says it) fires: why
-    it ended, and per step read its loss, its training loss and the smoothed loss the rule reads."""
+    """``step(rates)`` per row of ``plan`` until the stop rule fires: why it ended, and each step's losses."""
     # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
     # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
     cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
     rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
     losses, train_losses, smoothed = [], [], []
-    average = 0.0  # the moving average, before its bias correction
-    floor = math.inf  # the lowest running median of five raw losses
-    high_run = 0  # raw losses in a row above diverge x floor
+    # the moving average (before its bias correction), the lowest running median of five raw losses, and
+    average, floor, high_run = 0.0, math.inf, 0  # the raw losses in a row above diverge x that floor
 
     for i in range(len(plan) + lag):  # step i, then read step i - lag
         if i < len(plan):
@@ -598,14 +555,10 @@ def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]],
 
 # --- internals: snapshot and restore ----------------------------------------------------------
 
-
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
               undo: contextlib.ExitStack) -> Callable[[], bool]:
-    """Record all a sweep changes, for ``undo`` to put back; return what tells if a trainable weight moved.
-    Kept: the modules', optimizer's (and any it wraps: an LR scheduler's step flag, say) and scaler's
-    attributes (its scale is created on first use, and must go back to "not created yet"), the param groups,
-    and every global RNG a step may draw from, as checkpoints.py captures them (a copy: this file works
-    alone)."""
+    """Keep for ``undo`` the modules', optimizers' and scaler's attributes, the param groups and every global
+    RNG a step may draw from. Returns what tells whether a trainable weight moved."""
     undo.callback(model.zero_grad, set_to_none=True)  # run last, so on the parameters as put back
     undo.callback(_chain(optimizer)[-1].zero_grad, set_to_none=True)
     owners = [*model.modules(), *_chain(optimizer), *([scaler] if scaler is not None else [])]
@@ -613,19 +566,16 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: 
     cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ()
     undo.enter_context(torch.random.fork_rng(cuda, device_type="cuda"))
     undo.callback(random.setstate, random.getstate())
-    if "numpy" in sys.modules:  # touched only when the caller already imported it
-        numpy_random = sys.modules["numpy"].random
-        undo.callback(numpy_random.set_state, numpy_random.get_state())
+    if (numpy := sys.modules.get("numpy")) is not None:  # touched only when the caller imported it
+        undo.callback(numpy.random.set_state, numpy.random.get_state())
     weights = [(t, value) for t, value in values if t.requires_grad]
     return lambda: any(not torch.equal(t.detach(), value.to(t.device)) for t, value in weights)
 
 
 def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For ``undo`` to put back, in place: each dict in ``owners`` (objects' attributes, param groups) and
-    every dict inside them, as it is now (keys added later go; lists and tuples stay as they are); the value
-    of each tensor they hold, kept on the CPU and copied back into that very tensor, so whoever holds it (a
-    module, an optimizer's state, a tensor lr) sees it restored, as Optimizer.load_state_dict's new tensors
-    would not; and their random generators' states. Returns each tensor and its kept value."""
+    """For ``undo`` to put back in place each dict in ``owners`` and inside them, and each tensor's value,
+    copied back into that very tensor: whoever holds it (a module, an optimizer's state, a tensor lr) sees
+    it restored, as load_state_dict's new tensors would not. Returns the tensors and their kept values."""
     dicts, leaves, todo = {}, {}, list(owners)
     while todo:
         obj = todo.pop()
@@ -654,10 +604,8 @@ def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Te
 
 
 def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
-    """What the sweep iterates for ``loader``; ``undo`` puts back the attributes of the loader and its
-    samplers and the generators they draw from. A DataLoader's persistent workers, started or not, are left
-    alone: the sweep iterates a shallow copy whose workers stop at the end of each pass (set through vars: a
-    DataLoader refuses the attribute once built). A dataset that is an iterator: one warning."""
+    """What the sweep iterates for ``loader``, whose samplers and generators ``undo`` puts back. Persistent
+    workers are left alone: the sweep iterates a copy whose workers stop with each pass."""
     parts = [loader, getattr(loader, "sampler", None), batches := getattr(loader, "batch_sampler", None),
              getattr(batches, "sampler", None)]
     _keep([vars(o) for o in parts if hasattr(o, "__dict__")], undo)  # one named twice is kept once

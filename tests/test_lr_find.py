@@ -1113,7 +1113,7 @@ def test_minimum_is_the_vertex_of_the_parabola_through_the_lowest_point_and_its_
     curve = hand_curve([(v - bottom) ** 2 + 1 for v in x], x=x)
     assert curve.lowest == 3
     assert lf.minimum(curve) == pytest.approx(10**bottom, rel=1e-9)
-    assert lf.min_over_3(curve) == pytest.approx(10**bottom / 3, rel=1e-9)
+    assert lf.RULES["min/3"](curve) == pytest.approx(10**bottom / 3, rel=1e-9)
 
 
 # --- saving and drawing a sweep -------------------------------------------------------------------
