@@ -1,12 +1,12 @@
 """The task: what the model's outputs mean. To train for another task, this is the file to edit.
 
 It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a
-prediction is (a row of --predict's predictions.csv). Every path that computes a loss or a metric
-calls these: the training loop, `--lr find` and `python lr_find.py`, evaluation, `--evaluate`, the
-benchmarks. The rest of the template (resume, torchrun, checkpoints, logs) reads only the names
-defined here, so it works for any task that defines them. This one is single-label classification:
-cross-entropy, accuracy, a confusion matrix and the most confidently wrong images. tests/forks/
-holds two other tasks written this way (regression, multi-label), which the machinery tests run too.
+prediction is (a row of evaluate.py --predict's predictions.csv). Every path that computes a loss or a
+metric calls these: the training loop, `python lr_find.py`, evaluation, evaluate.py, the benchmarks. The
+rest of the template (resume, torchrun, checkpoints, logs) reads only the names defined here, so it works
+for any task that defines them. This one is single-label classification: cross-entropy, accuracy, a
+confusion matrix and the most confidently wrong images. tests/forks/ holds three other tasks written this
+way (regression, multi-label, class-weighted), which the machinery tests run too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and -
 TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
 METRICS = ("loss", "acc")  # TensorBoard val/<name>, summary.json val_<name>, in this order
 MAIN_METRIC, HIGHER_IS_BETTER = "acc", True  # best.pt is the checkpoint with the best val acc
-SAVED_PICTURES = ("confusion",)  # also written as confusion.png (eval_confusion.png by --evaluate)
+SAVED_PICTURES = ("confusion",)  # also written as confusion.png (eval_confusion.png by evaluate.py)
 WORST_SHOWN = 16  # the most confidently wrong validation images in their picture
 INPUTS_SHOWN = 32  # training images in the picture of what the model receives
 
@@ -106,7 +106,7 @@ def describe(val: Evaluation) -> str:
 
 
 def report(val: Evaluation) -> list[str]:
-    """--evaluate's lines below `describe`'s: each class's accuracy."""
+    """evaluate.py's lines below `describe`'s: each class's accuracy."""
     return [f"{name:>12}  {'no examples' if acc is None else show('acc', acc)}"
             for name, acc in val.details["per_class_acc"].items()]
 
