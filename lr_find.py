@@ -1,14 +1,12 @@
-"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule (onecycle's peak
-tolerates rates up to where the loss bottoms out; schedules that start at full rate need less, Adam-like
-optimizers much less). A sweep puts back all it touches. The library needs torch alone (matplotlib and
-TensorBoard to draw): copy this file alone. `python lr_find.py` sweeps train.py's setup."""
+"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule (onecycle's peak: up to
+the loss's low point; a start at full rate: less, much less for Adam), then put back all it touched. Torch
+alone (matplotlib, TensorBoard to draw): copy the file alone. `python lr_find.py` sweeps train.py's setup."""
 
 from __future__ import annotations
 
 import bisect
 import contextlib
 import copy
-import functools
 import hashlib
 import io
 import itertools
@@ -19,14 +17,13 @@ import random
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# The rule per optimizer kind and schedule family (family_of), as bench/lr_find_rules.py measured: started
-# at full rate, Adam-like optimizers blow up well below the sweep's bottom (docs/lr_find.md).
+# The rule per optimizer kind and schedule family (family_of), measured by bench/lr_find_rules.py
 DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak": "min/3", "base": "min/10"}}
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 DIVERGED_RUN = 2  # raw losses in a row above diverge x their lowest running median that end a sweep too
@@ -47,16 +44,14 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None, step_mode: str = "exp",
             val_loader: Iterable[Any] | None = None, optimizer_kind: str | None = None,
             normalizer: Callable[[Any], torch.Tensor | float] | None = None) -> LRFindResult:
-    """Train with a growing lr and record each optimizer step's loss; then put back all it touched, even on
-    error: model, optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers. The loss is
-    ``loss_fn(model(inputs), targets)``, else ``batch_loss(model, batch)`` (``model(**batch).loss``, say).
-    Step i of n sets ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or a straight line) on the first
-    group, the others keeping their ratio; lists give each group its own rates. With ``normalizer`` a loss is
-    a batch's sum, and a step divides its ``accum_steps`` batches' sum once by their normalizers' sum: exact
-    for weighted and masked means. With ``val_loader`` a step's loss is its mean over it. A sweep stops at a
-    non-finite loss or, from ``min_iter_before_stop``, once it diverges (docs/lr_find.md). ``.suggestion``
-    serves ``schedule`` (family_of) by DEFAULT_RULES for ``optimizer_kind`` (None: told from the optimizer)
-    or by ``method``; none if no step happened or no weight moved."""
+    """Train at a growing lr, record each optimizer step's loss, then put back all it touched, even on error
+    (model, optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers). The loss is
+    ``loss_fn(model(inputs), targets)`` or ``batch_loss(model, batch)``. Step i of n sets the first group
+    ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or a line), the others keeping their ratio (lists:
+    a rate per group). With ``normalizer`` a loss is a batch's sum, divided once per step by the window's
+    normalizers' sum (exact weighted and masked means); with ``val_loader`` a step's loss is its mean over it.
+    It stops at a non-finite loss or, from ``min_iter_before_stop``, at divergence (docs/lr_find.md).
+    ``.suggestion`` serves ``schedule`` by DEFAULT_RULES[optimizer_kind] or ``method``, if a weight moved."""
     def whole(value: Any, low: int) -> bool:
         return isinstance(value, int) and value >= low
 
@@ -90,8 +85,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
             return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
 
-    def val_loss() -> torch.Tensor:
-        """The mean loss over val_loader, in eval mode."""
+    def val_loss() -> torch.Tensor:  # the mean over val_loader, in eval mode
         model.eval()
         with torch.no_grad():
             window, divisor = on_device(list(val_loader))
@@ -103,11 +97,8 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     def step(rates: list[float]) -> torch.Tensor:
         """One optimizer step at ``rates`` (one per group): [the loss the curve reads, the training loss]."""
-        for group, lr in zip(optimizer.param_groups, rates, strict=True):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):  # a tensor lr stays that tensor
+            group["lr"] = group["lr"].fill_(lr) if isinstance(group["lr"], torch.Tensor) else lr
         optimizer.zero_grad(set_to_none=True)
         total = None  # the training loss: the window's mean, as one big batch would give
         window, divisor = on_device([next(batches) for _ in range(accum_steps)])
@@ -140,15 +131,13 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
         if losses and not math.isfinite(losses[0]):  # before any update: no rate is to blame
             stuck = FIRST_LOSS_NOT_FINITE
-    group_lrs = plan[: len(losses)]
-    return _result([rates[0] for rates in group_lrs], losses, schedule, method, kind, stuck,
+    return _result([rates[0] for rates in plan[: len(losses)]], losses, schedule, method, kind, stuck,
                    smoothed=smoothed, stop_reason=stop_reason, optimizer_kind_from=kind_from,
-                   group_lrs=group_lrs, train_losses=train_losses if val_loader is not None else None)
+                   group_lrs=plan[: len(losses)], train_losses=None if val_loader is None else train_losses)
 
 
 def family_of(schedule: str) -> str:
-    """Which suggestion serves ``schedule``: "peak" for onecycle, whose rate is the top of its cycle, and
-    "base" for any other (yours too), which starts at its rate: this file names no other, to work alone."""
+    """"peak" for onecycle, whose rate tops its cycle; "base" for any other (yours too): it starts there."""
     return "peak" if schedule == "onecycle" else "base"
 
 
@@ -188,10 +177,8 @@ class LRFindResult:
 
     def per_group(self, lr: float | None) -> list[float] | None:
         """``lr`` for the first group, the others in their ratio to it at the sweep's step nearest ``lr``."""
-        if lr is None:
-            return None
-        rates = min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
-        return [lr * (rate / rates[0]) for rate in rates]
+        rates = lr and min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
+        return rates and [lr * (rate / rates[0]) for rate in rates]
 
 
 def suggest_lr(lrs: Sequence[float], losses: Sequence[float | None], method: str = "minimum") -> float | None:
@@ -266,17 +253,13 @@ METHODS = tuple(RULES)
 
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None,
                schedules: Iterable[str] = ()) -> list[Any]:
-    """Write lr_find.png, then lr_find.json (with ``extra``'s keys), and the picture to TensorBoard in
-    out_dir/lr_find/; returns what it wrote, the record first. Each suggestion lists the schedules it serves
-    of ``schedules``, onecycle and the sweep's own."""
+    """Write lr_find.png, lr_find.json (plus ``extra``) and the picture to TensorBoard in out_dir/lr_find/;
+    returns what it wrote, the record first. Each suggestion names which of ``schedules`` it serves."""
     (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
-    finite = {k: values and [v if math.isfinite(v) else None for v in values]  # JSON has no NaN
-              for k, values in (("losses", result.losses), ("smoothed", result.smoothed),
-                                ("train_losses", result.train_losses))}
+    finite = {k: getattr(result, k) and [v if math.isfinite(v) else None for v in getattr(result, k)]
+              for k in ("losses", "smoothed", "train_losses")}  # JSON has no NaN
     served = _served(result, schedules)
-    record = {"lrs": result.lrs, **finite, **{k: getattr(result, k) for k in (
-                  "group_lrs", "stop_reason", "schedule", "suggestion", "method", "why_none",
-                  "optimizer_kind", "optimizer_kind_from")}, "config": config,
+    record = {**asdict(result), **finite, "config": config,
               "suggestions": {f: {"lr": lr, "method": rule, "schedules": served[f], "group_lrs":
                                   result.per_group(lr)} for f, (lr, rule) in result.suggestions.items()},
               **(extra or {})}
@@ -371,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         stream = (batch for epoch in itertools.count() for batch in splits.train.epoch(epoch))
         with splits, contextlib.closing(stream), tqdm(total=cfg.find_iters, desc="lr_find", leave=False,
                                                        disable=None) as bar:  # None: no bar without a TTY
-            result = lr_find(model, optimizer, functools.partial(task.loss, cfg=cfg, info=info), stream,
+            result = lr_find(model, optimizer, lambda out, y: task.loss(out, y, cfg=cfg, info=info), stream,
                              start_lr=cfg.find_start_lr, end_lr=cfg.find_end_lr, num_iter=cfg.find_iters,
                              normalizer=lambda batch: task.normalizer(batch[1], cfg, info),
                              accum_steps=cfg.accum_steps, autocast_dtype=amp_dtype, scaler=scaler,
@@ -381,19 +364,17 @@ def main(argv: list[str] | None = None) -> None:
         record = {**cfg.to_dict(), "task": checkpoints.task_identity(task)}  # what --lr auto checks
         with files.reporting_write_errors(cfg.out_dir):
             wrote = save_sweep(result, record, cfg.out_dir, schedules=SCHEDULES)
-        # What it found, once its files are written (a closed stdout, `| head`, is one line too)
-        alone = "; rank 0 runs it" if world_size > 1 else ""
+        alone = "; rank 0 runs it" if world_size > 1 else ""  # said once written: `| head` may close stdout
         print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
               f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
         if result.suggestion is None:
             fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
                 "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
             raise UserError(f"no learning rate suggested ({result.why_none}){fix}", 1)
-        served = _served(result, SCHEDULES)
-        others = "".join(f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule)
-                         in result.suggestions.items() if lr and f != family_of(result.schedule))
-        print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}"
-              f"{others}")
+        served, chosen = _served(result, SCHEDULES), family_of(result.schedule)
+        print(f"suggested lr: {result.suggestion:.3g} ({result.method}) for --schedule {result.schedule}", *(
+            f"; for {'/'.join(served[f])}: {lr:.3g} ({rule})" for f, (lr, rule) in result.suggestions.items()
+            if lr and f != chosen), sep="")
         sweep_only = tuple(name for name in cfg.to_dict() if name == "lr" or name.startswith("find_"))
         processes.say(f"next: {command_line('train.py', cfg, leave_out=sweep_only)} --lr auto")
 
@@ -402,8 +383,7 @@ def main(argv: list[str] | None = None) -> None:
 # --- internals: the plan, suggestions, files and the sweep ------------------------------------
 
 def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[list[float]]:
-    """Each step's lr per param group: lists of rates give one per group, single rates the first
-    group's, the others keeping the ratio of their lr to its lr (all alike where that is 0)."""
+    """Each step's lr per group: lists give each its own; one rate is the first's, the others in ratio."""
     groups, lists = optimizer.param_groups, [isinstance(v, (list, tuple)) for v in (start_lr, end_lr)]
     if any(lists) and not (all(lists) and len(start_lr) == len(end_lr) == len(groups)):
         raise ValueError(f"start_lr and end_lr as lists need one rate each per param group ({len(groups)}), "
@@ -427,8 +407,7 @@ def _chain(optimizer: Any) -> list[Any]:  # the optimizer and those it wraps in 
 
 
 def _classify(optimizer: Any) -> tuple[str, str]:
-    """("sgd" or "adaptive", how that was told) from the innermost optimizer's defaults: betas, eps or etas
-    make steps that keep their size whatever the gradient's scale; SGD's grow with it."""
+    """("sgd" or "adaptive", why): betas, eps or etas make steps whose size ignores the gradient's scale."""
     chain = _chain(optimizer)
     signs, name = sorted({"betas", "eps", "etas"} & set(chain[-1].defaults)), " in ".join(
         type(o).__name__ for o in reversed(chain))
@@ -514,9 +493,8 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
 def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
            progress: Callable[[int, float, float], None] | None, smooth: float, diverge: float,
            min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
-    """``step(rates)`` per row of ``plan`` until the stop rule fires: why it ended, and each step's losses."""
-    # Step i's losses go to rows[i]: on CUDA asynchronously, into pinned memory, and they are read a
-    # step later (_READ_LAG) once its event has passed, so the GPU is never drained to read a loss.
+    """``step(rates)`` per row of ``plan`` until the stop rule fires. On CUDA step i's losses go to pinned
+    rows[i], read a step later (_READ_LAG) once its event has passed: the GPU never drains to read a loss."""
     cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
     rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
@@ -573,9 +551,8 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: 
 
 
 def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For ``undo`` to put back in place each dict in ``owners`` and inside them, and each tensor's value,
-    copied back into that very tensor: whoever holds it (a module, an optimizer's state, a tensor lr) sees
-    it restored, as load_state_dict's new tensors would not. Returns the tensors and their kept values."""
+    """For ``undo``: put back each dict in ``owners`` and in them, and each tensor's value into that very
+    tensor, so all who hold it see it (load_state_dict's new tensors would not). Returns (tensor, copy)s."""
     dicts, leaves, todo = {}, {}, list(owners)
     while todo:
         obj = todo.pop()

@@ -209,8 +209,8 @@ def fused_by_default(cfg: Config, device: torch.device) -> bool:
 
 class Ema:
     """--ema: an exponential moving average of a model's weights and BatchNorm statistics, kept on the device
-    in a copy of the model (`average`, in eval mode, never trained), which evaluation, best.pt, --evaluate
-    and --predict use. torch's AveragedModel reads its step count from the device twice a step; this keeps
+    in a copy of the model (`average`, in eval mode, never trained), which evaluation, best.pt and
+    evaluate.py use. torch's AveragedModel reads its step count from the device twice a step; this keeps
     the count on the host and moves the average with torch's own get_ema_multi_avg_fn (one lerp for all)."""
 
     def __init__(self, model: nn.Module, decay: float):

@@ -2,7 +2,7 @@
 resume puts any state back: the file, its task, its config against the one given now, its data.
 
 What a checkpoint holds is the dict train.py builds where it saves; this module knows only the keys a
-resume, --evaluate and --predict read back.
+resume and evaluate.py read back.
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
 
 
 def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) -> None:
-    """--evaluate's report (train.evaluate_checkpoint builds it): printed, and written as eval.json and
+    """evaluate.py's report (its evaluate_checkpoint builds it): printed, and written as eval.json and
     eval_<picture>.png."""
     split = report["split"]
     print(f"{report['checkpoint']} on the {report[f'{split}_size']} {report['dataset']} {split} examples: "

@@ -1,5 +1,5 @@
-"""Weights from elsewhere into a model: a checkpoint's (--init-from, --evaluate, --predict, best.pt for
-the test pass), a plain state_dict, or torchvision's pretrained ones (--pretrained), downloaded once.
+"""Weights from elsewhere into a model: a checkpoint's (--init-from, evaluate.py, best.pt for the
+test pass), a plain state_dict, or torchvision's pretrained ones (--pretrained), downloaded once.
 
 A classifier head for another number of classes keeps its fresh initialization where a new run asks for
 it; any other mismatch is one line that names the tensors.

@@ -155,12 +155,12 @@ def test_train_reads_in_120_lines_and_no_function_is_over_80():
 
 def test_the_sizes_the_layout_asks_for():
     """Issue 40 asks for files of 400 lines at most (lr_find.py 600), a front of 1,250 and a core of 3,900,
-    and to keep a guarantee over a number: lr_find.py and the core stand at what simplifying reached
-    (the issue's note says which guarantees hold the rest). A bound only ever comes down."""
+    and to keep a guarantee over a number: the core stands at what simplifying reached (the issue's note
+    says which guarantees hold the rest). A bound only ever comes down."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
-    assert {file: n for file, n in lines.items() if n > (625 if file == "lr_find.py" else 400)} == {}
+    assert {file: n for file, n in lines.items() if n > (600 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
-    assert sum(lines.values()) <= 4700, sum(lines.values())
+    assert sum(lines.values()) <= 4670, sum(lines.values())
 
 
 def test_what_was_cut_stays_out():
