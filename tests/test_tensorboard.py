@@ -94,6 +94,20 @@ def test_tally_counts_on_the_device_and_keeps_the_most_confident_mistakes():
     assert truth.tolist() == [1, 0] and predicted.tolist() == [2, 1]
 
 
+def test_tally_counts_pixels_past_float32s_whole_numbers():
+    """Per-pixel targets: 17 batches of 2^20 pixels of class a, all right, make 17 x 2^20 > 2^24 in one
+    cell of the confusion matrix, where a float32 count stops at 2^24."""
+    info = SimpleNamespace(names=["a", "b"], class_counts=None)
+    tally = task.Tally(parse_config([]), info, torch.device("cpu"))
+    logits = torch.tensor([4.0, 0.0]).view(1, 2, 1, 1).expand(1, 2, 1024, 1024)
+    targets = torch.zeros(1, 1024, 1024, dtype=torch.int64)
+    for _ in range(17):
+        tally.add(logits, targets, targets)
+    result = tally.result()
+    assert result.details["confusion"] == [[17 * 2**20, 0], [0, 0]] and result.metrics["acc"] == 1.0
+    assert result.metrics["loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-4)
+
+
 RUN = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
        "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--num-workers", "0",
        "--log-every", "1", "--save-every", "4"]  # 8 steps an epoch; last.pt at steps 4, 8, 12, 16
