@@ -129,10 +129,13 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
 # inputs are not images, and the pictures that show inputs are skipped.
 
 def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], to_pixels):
-    """A training batch as the model receives it (after crop, flip, resize), each with its label."""
+    """A training batch as the model receives it (after crop, flip, resize), each with its label (with
+    per-pixel targets, the classes its mask holds)."""
     if to_pixels is None:
         return None
-    captions = [names[t] for t in targets[:INPUTS_SHOWN].tolist()]
+    shown = targets[:INPUTS_SHOWN].cpu()
+    captions = [names[t] for t in shown.tolist()] if shown.ndim == 1 else [
+        ", ".join(names[c] for c in mask[mask != IGNORE_INDEX].unique().tolist()) for mask in shown]
     return image_grid(to_pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
 
 
