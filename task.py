@@ -65,16 +65,18 @@ class Tally:
 
     def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
-        self.sums = torch.zeros(2 + len(self.names) ** 2, device=device)  # loss, normalizer, confusion matrix
+        self.loss = torch.zeros((), device=device)
+        # the normalizer's sum, then the confusion matrix: in int64, as float32 stops counting at 2^24
+        self.counts = torch.zeros(1 + len(self.names) ** 2, dtype=torch.int64, device=device)
         self.worst: tuple | None = None
 
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor) -> None:
         outputs, n = outputs.float(), len(self.names)
-        self.sums[0] += loss(outputs, targets, self.cfg, self.info)
-        self.sums[1] += normalizer(targets, self.cfg, self.info)
+        self.loss += loss(outputs, targets, self.cfg, self.info)
+        self.counts[0] += normalizer(targets, self.cfg, self.info)
         predicted, counted = outputs.argmax(1), targets != IGNORE_INDEX
         cells = torch.where(counted, targets * n + predicted, 0).flatten()  # indexing by a mask would sync
-        self.sums[2:].index_add_(0, cells, counted.flatten().float())
+        self.counts[1:].index_add_(0, cells, counted.flatten().long())
         if targets.ndim == 1:  # one class per example: its confidence says which were wrong
             self._keep_worst(outputs, targets, inputs, predicted)
 
@@ -90,12 +92,11 @@ class Tally:
 
     def result(self, reduce=lambda sums: sums) -> Evaluation:
         """The metrics, after `reduce` (a sum over torchrun's processes) of the device's sums."""
-        values, n = reduce(self.sums).tolist(), len(self.names)
-        confusion = [[round(v) for v in values[2 + r * n: 2 + (r + 1) * n]] for r in range(n)]
-        count = sum(map(sum, confusion))
+        total, (count, *cells), n = reduce(self.loss).item(), reduce(self.counts).tolist(), len(self.names)
+        confusion = [cells[r * n: (r + 1) * n] for r in range(n)]
         correct = sum(confusion[i][i] for i in range(n))
         per_class = [row[i] / sum(row) if sum(row) else None for i, row in enumerate(confusion)]
-        return Evaluation({"loss": values[0] / values[1], "acc": correct / count},
+        return Evaluation({"loss": total / count, "acc": correct / sum(map(sum, confusion))},
                           {"per_class_acc": dict(zip(self.names, per_class, strict=True)),
                            "confusion": confusion}, self.worst)
 
@@ -128,10 +129,13 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
 # inputs are not images, and the pictures that show inputs are skipped.
 
 def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], to_pixels):
-    """A training batch as the model receives it (after crop, flip, resize), each with its label."""
+    """A training batch as the model receives it (after crop, flip, resize), each with its label (with
+    per-pixel targets, the classes its mask holds)."""
     if to_pixels is None:
         return None
-    captions = [names[t] for t in targets[:INPUTS_SHOWN].tolist()]
+    shown = targets[:INPUTS_SHOWN].cpu()
+    captions = [names[t] for t in shown.tolist()] if shown.ndim == 1 else [
+        ", ".join(names[c] for c in mask[mask != IGNORE_INDEX].unique().tolist()) for mask in shown]
     return image_grid(to_pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
 
 

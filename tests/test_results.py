@@ -1,6 +1,6 @@
 """Results you can publish (issue 33): val chooses, the test split reports once; early stopping on the
 task's main metric; an exponential moving average of the weights (--ema) that evaluation, best.pt,
---evaluate, --predict and the test report use."""
+evaluate.py (and --predict) and the test report use."""
 
 import json
 
@@ -178,3 +178,44 @@ def test_a_resume_on_other_splits_is_refused(tmp_path, monkeypatch, capsys):
     save_png(tmp_path / "data" / "val" / "a" / "4.png", 8, 4)
     code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", tmp_path / "run")
     assert code == 2 and "was trained on other data (val size 8 -> 9)" in err, err
+
+
+def test_ema_moves_only_after_a_step_that_was_taken(tmp_path, monkeypatch):
+    """--ema under fp16 (on CPU): the step whose gradients a hook makes inf is skipped by GradScaler, and
+    the average skips it too: it counts the steps taken, and it is the same before and after the skipped
+    one. A loop that also averaged after a skipped step fails both."""
+    backward, history, emas = [0], [], []  # history: per step, taken and the average before it
+    real_build, real_step = train.build_model, train.optimizer_step
+
+    def build_model(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+
+        def poison(grad):  # the 4th backward through the model (the check at start-up may count too)
+            backward[0] += 1
+            return grad * float("inf") if backward[0] == 4 else grad
+
+        next(model.parameters()).register_hook(poison)
+        return model
+
+    class Recorded(train.Ema):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            emas.append(self)
+
+    def optimizer_step(optimizer, *args, **kwargs):
+        before = [t.clone() for t in emas[0].average.state_dict().values()]
+        history.append((real_step(optimizer, *args, **kwargs), before))
+        return history[-1][0]
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    monkeypatch.setattr(train, "Ema", Recorded)
+    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    train.train(parse_config([*TINY, "--epochs", "2", "--amp", "fp16", "--ema", "0.5",
+                              "--out-dir", str(tmp_path)]))
+    taken = [was_taken for was_taken, _ in history]
+    assert taken.count(False) == 1 and 0 < taken.index(False) < len(taken) - 1, taken
+    skipped = taken.index(False)
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["run"]["averaged"] == len(taken) - 1
+    assert_same_state(history[skipped][1], history[skipped + 1][1], "the average over the skipped step")
+    before, after = history[skipped - 1][1], history[skipped][1]
+    assert not all(map(torch.equal, before, after)), "a step taken moves the average"

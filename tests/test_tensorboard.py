@@ -20,6 +20,7 @@ import task
 import train
 from configs import parse_config
 from machinery import checkpoints, logs
+from machinery.contract import IGNORE_INDEX
 from models import build_model
 
 
@@ -92,6 +93,32 @@ def test_tally_counts_on_the_device_and_keeps_the_most_confident_mistakes():
     confidence, inputs, truth, predicted = result.worst
     assert inputs.flatten().tolist() == [2.0, 1.0]  # p = 0.9998 and 0.96; image 3's 0.58 is not kept
     assert truth.tolist() == [1, 0] and predicted.tolist() == [2, 1]
+
+
+def test_input_picture_of_per_pixel_targets_names_the_classes_each_mask_holds(monkeypatch):
+    """The default task's picture of the first training batch, on masks: each image captioned with the
+    classes its mask holds (a crop's padding is none of them), where it raised a TypeError."""
+    masks = torch.zeros(3, 4, 4, dtype=torch.int64)
+    masks[1, :2] = 1
+    masks[2], masks[2, 0, 0] = IGNORE_INDEX, 1
+    drawn = []
+    monkeypatch.setattr(task, "image_grid", lambda pixels, captions: drawn.append((pixels.shape, captions)))
+    task.input_picture(torch.rand(3, 1, 4, 4), masks, ["sky", "road"], lambda inputs: inputs)
+    assert drawn == [((3, 1, 4, 4), ["sky", "sky, road", "road"])]
+
+
+def test_tally_counts_pixels_past_float32s_whole_numbers():
+    """Per-pixel targets: 17 batches of 2^20 pixels of class a, all right, make 17 x 2^20 > 2^24 in one
+    cell of the confusion matrix, where a float32 count stops at 2^24."""
+    info = SimpleNamespace(names=["a", "b"], class_counts=None)
+    tally = task.Tally(parse_config([]), info, torch.device("cpu"))
+    logits = torch.tensor([4.0, 0.0]).view(1, 2, 1, 1).expand(1, 2, 1024, 1024)
+    targets = torch.zeros(1, 1024, 1024, dtype=torch.int64)
+    for _ in range(17):
+        tally.add(logits, targets, targets)
+    result = tally.result()
+    assert result.details["confusion"] == [[17 * 2**20, 0], [0, 0]] and result.metrics["acc"] == 1.0
+    assert result.metrics["loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-4)
 
 
 RUN = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
