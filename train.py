@@ -10,8 +10,9 @@ train.py ...`. evaluate.py measures or uses a saved model.
 from __future__ import annotations
 
 import math
+import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ class Progress:
     stale: int = 0  # evaluations since the main metric last improved by more than --min-delta
     averaged: int = 0  # --ema: the optimizer steps (taken, not skipped) averaged so far
     stopped: str | None = None  # why the run stopped before its last epoch (--early-stop)
+    run_id: str = field(default_factory=lambda: secrets.token_hex(6))  # summary.json names it: this run's
 
     def evaluated(self, score: float, task, cfg: Config) -> bool:
         """An epoch ended with `score`, the task's main metric: on to the next one. Whether it is the best
@@ -76,7 +78,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
     rank, world_size, device = processes.start(cfg.device)
     lr = lr_auto.resolve_lr(cfg, task, OPTIMIZERS)  # a number; --lr auto: lr_find.json's suggestion
-    out_dir = run_folder.claim(Path(cfg.out_dir), resumed and resumed.path)
+    out_dir = run_folder.claim(Path(cfg.out_dir), resumed)
     torch.manual_seed(cfg.seed)
 
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
@@ -102,8 +104,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     logs.describe_run(cfg, model, (device, amp_dtype), lr, total_steps)
 
     def checkpoint() -> dict:
-        """Every state the run continues from bit for bit (the RNGs' too), where `progress` stands; "data"
-        fixes the schedule (a resume on other data is refused), "inputs" says how evaluate.py reads images."""
+        """Every state to continue bit for bit from `progress` ("data": what a resume checks; "inputs")."""
         run = {**asdict(progress), "seconds_before": progress.seconds_before + time.perf_counter() - started}
         return {"model": model.state_dict(), "ema": ema.average.state_dict() if ema else None,
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -113,17 +114,17 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps}
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
-    started, speed, seeds, losses, counts = time.perf_counter(), logs.Speed(), {}, [], []  # losses, counts:
-    stop = stops.Stops(out_dir, progress, checkpoint, tensorboard)  # since the last log point, on the device
-    with tensorboard, run_folder.holding(out_dir), batches, stop:
-        for epoch in range(progress.epoch, cfg.epochs):
+    started, speed, seeds, val = time.perf_counter(), logs.Speed(), {}, None
+    losses, counts = [], []  # since the last log point, on the device
+    stop = stops.Stops(out_dir, progress, checkpoint, tensorboard)
+    with tensorboard, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
+        for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
             bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
             stream = batches.train.epoch(epoch, progress.batch)
             speed.start(progress.batch)
             while progress.batch < info.batches:
-                # Accumulation: accum_steps micro-batches a step (the epoch's last may get fewer), drawn
-                # first: each summed loss is weighted by the step's normalizer over all of them and every
-                # process, so that a step is one batch k x N as large, for weighted and masked means too.
+                # Accumulation: accum_steps micro-batches a step (fewer at an epoch's end), drawn first, each
+                # summed loss weighted by 1 / the step's normalizers on all processes: one batch k x N large.
                 window = [next(stream) for _ in range(min(cfg.accum_steps, info.batches - progress.batch))]
                 normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
                 weight, stop.step_begun = step_weight(normalizers, world_size, device, seeds), progress.step
@@ -180,6 +181,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt; summary.
     in_sync = processes.ranks_agree(model) and (not ema or processes.ranks_agree(ema.average))
+    val = val or evaluate(ema.average if ema else model, batches.val, task, cfg, info, amp_dtype)  # resumed
     test = None if batches.test is None else evaluate(  # after ranks_agree: best.pt's weights replace these
         load_best(ema.average if ema else model, out_dir / "best.pt"), batches.test, task, cfg, info,
         amp_dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import pickle
 import random
 import sys
@@ -144,7 +145,11 @@ def load_resume(cfg: Config, given: dict | None, task, choices: dict | None = No
                         "resume from another checkpoint")
     cfg = resumed_config(ckpt["config"], cfg.to_dict() if given is None else given, path, choices)
     check_resumable(ckpt["config"], cfg)
-    # The run asked for is already complete: not an error (code 0), the scripts print it and exit 0.
+    # The run asked for is already complete and its summary.json written: not an error (code 0), the scripts
+    # print it and exit 0. Complete without its summary (stopped in its test pass, or resumed into another
+    # folder), train() finishes it: the test pass through best.pt, and summary.json.
+    if not summarized(Path(cfg.out_dir), run):
+        return cfg, Resumed(path, ckpt)
     if run.get("stopped"):
         raise UserError(f"{path} holds a run that stopped early at epoch {run['epoch']} ({run['stopped']}): "
                         "nothing to do, nothing changed; train longer with a new run", code=0)
@@ -153,6 +158,16 @@ def load_resume(cfg: Config, given: dict | None, task, choices: dict | None = No
                         "do, nothing changed; train longer with a new run (or --epochs N --allow-more-epochs "
                         "for constant, warmup and step schedules)", code=0)
     return cfg, Resumed(path, ckpt)
+
+
+def summarized(out_dir: Path, run: dict) -> bool:
+    """Whether `run` (a checkpoint's) ended, and out_dir/summary.json is that run's (by its run_id)."""
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # none, or cut short: the run's end is to be done again
+        return False
+    return isinstance(summary, dict) and summary.get("run_id") == run.get("run_id") and summary.get(
+        "steps") == run["step"]
 
 
 def check_same_data(resumed: Resumed, data: dict) -> None:
@@ -187,8 +202,9 @@ def restore(resumed: Resumed, info, epochs: int, **objects) -> dict:
                         f"({first_line(err)}); resume it with the settings it was written with, or start a "
                         "new run") from None
     run = {**resumed.state["run"], "part": resumed.state["run"]["part"] + 1}
-    processes.say(f"resumed from {resumed.path} at step {run['step']} "
-                  f"({position(run['epoch'], run['batch'], epochs, info.batches)})")
+    where = ("its training done: the test pass and summary.json next" if run.get("stopped") or
+             run["epoch"] >= epochs else position(run["epoch"], run["batch"], epochs, info.batches))
+    processes.say(f"resumed from {resumed.path} at step {run['step']} ({where})")
     return run
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import math
 import sys
 import threading
 import time
@@ -177,9 +176,9 @@ class Speed:
         self.rates.append(examples / max(time.perf_counter() - self.began, 1e-9))
         return f"  ({self.rates[-1]:,.0f} {'img' if images else 'examples'}/s)"
 
-    def steady(self) -> float:
+    def steady(self) -> float | None:  # None: this part of the run trained no batch (a resume at its end)
         steady = self.rates[1:] or self.rates
-        return sum(steady) / len(steady) if steady else math.nan
+        return sum(steady) / len(steady) if steady else None
 
 
 def log_evaluation(result, task, names: list[str], batches, step: int, tensorboard: TensorBoard,
@@ -215,7 +214,7 @@ def run_summary(task, evaluations: tuple, progress, seconds: float, facts: dict)
     return {**metrics, f"best_val_{task.MAIN_METRIC}": progress.best, "epochs": facts.pop("epochs"),
             "epochs_run": progress.epoch, "stopped": progress.stopped,  # --early-stop: why it ended sooner
             "steps": progress.step, "seconds": seconds, "total_seconds": progress.seconds_before + seconds,
-            "parts": progress.part, "seconds_cover": cover, **facts, **val.details}
+            "parts": progress.part, "run_id": progress.run_id, "seconds_cover": cover, **facts, **val.details}
 
 
 def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tensorboard: TensorBoard) -> None:

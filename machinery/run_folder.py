@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from configs import Config, UserError, validate
 from machinery import processes
 from machinery.checkpoints import Resumed, load_checkpoint, load_resume
-from machinery.files import write_error
+from machinery.files import write_atomic, write_error
 
 
 def resume(cfg: Config, given: dict | None, task, choices: dict) -> tuple[Config, Resumed | None]:
@@ -30,15 +31,16 @@ def resume(cfg: Config, given: dict | None, task, choices: dict) -> tuple[Config
     return load_resume(cfg, given, task, choices)
 
 
-def claim(out_dir: Path, resumed_from: Path | None = None) -> Path:
+def claim(out_dir: Path, resumed: Resumed | None = None) -> Path:
     """Before any data is loaded, by rank 0 for all: --out-dir can be written, holds no unfinished run (whose
     last.pt --resume would continue) that this one would overwrite, and no other live run. This process then
-    owns the folder (lock) and removes the temporary files that a save killed midway left there."""
-    processes.on_rank0(_claim, out_dir, resumed_from)
+    owns the folder (lock) and removes the temporary files that a save killed midway left there. A run
+    `resumed` from another folder takes an empty one, with its best.pt: the test pass reads this run's."""
+    processes.on_rank0(_claim, out_dir, resumed)
     return out_dir
 
 
-def _claim(out_dir: Path, resumed_from: Path | None) -> None:
+def _claim(out_dir: Path, resumed: Resumed | None) -> None:
     # A file written and deleted proves the folder writable; the folders made for it go again, so that a
     # run that then stops on another error leaves nothing behind.
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
@@ -57,21 +59,51 @@ def _claim(out_dir: Path, resumed_from: Path | None) -> None:
             with contextlib.suppress(OSError):
                 folder.rmdir()
     lock(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
-    last, saved = out_dir / "last.pt", {}
-    if last.is_file() and (resumed_from is None or resumed_from.resolve() != last.resolve()):
-        with contextlib.suppress(UserError):  # unreadable, so there is nothing to continue
+    last, saved, this = out_dir / "last.pt", {}, f"resuming {resumed.path} there" if resumed else "a new run"
+    if last.is_file() and (resumed is None or resumed.path.resolve() != last.resolve()):
+        try:
             saved = load_checkpoint(last)
+        except UserError:  # emptied or cut short: maybe an unfinished run's, which best.pt can continue
+            best = out_dir / "best.pt"
+            keep = f"{best}, which can still continue it (--resume {best})" if best.is_file() else "it"
+            if resumed is None:
+                _refuse(out_dir, f"{last} cannot be read (emptied or cut short) and may be an unfinished "
+                        f"run's: {this} would overwrite {keep}; delete last.pt to start over, or pick "
+                        "another --out-dir")
     step, total = saved.get("step", 0), saved.get("total_steps", 0)
     stopped = isinstance(saved.get("run"), dict) and saved["run"].get("stopped")  # --early-stop: finished
     if isinstance(step, int) and isinstance(total, int) and step < total and not stopped:
-        release_all(out_dir / ".lock")
-        this = f"resuming {resumed_from} there" if resumed_from else "a new run"
-        raise UserError(f"{last} holds an unfinished run (step {step} of {total}) that {this} would "
-                        f"overwrite; continue it with --resume --out-dir {out_dir}, or pick another "
-                        "--out-dir, or delete the file to start over")
+        _refuse(out_dir, f"{last} holds an unfinished run (step {step} of {total}) that {this} would "
+                f"overwrite; continue it with --resume --out-dir {out_dir}, or pick another --out-dir, or "
+                "delete the file to start over")
+    if resumed is not None and resumed.path.parent.resolve() != out_dir.resolve():
+        _take_best(out_dir, resumed)
     for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
         if not tmp.name.endswith(f".{os.getpid()}.tmp"):
             tmp.unlink(missing_ok=True)
+
+
+def _take_best(out_dir: Path, resumed: Resumed) -> None:
+    """A run resumed into another folder: an empty one (another run's best.pt and summary would pass for
+    this one's), given the best.pt beside its checkpoint, which its test pass reads unless it betters it."""
+    if held := [name for name in ("last.pt", "best.pt", "summary.json") if (out_dir / name).exists()]:
+        _refuse(out_dir, f"{out_dir} holds another run ({', '.join(held)}): resuming {resumed.path} there "
+                "would mix the two; resume it into an empty --out-dir, or into its own folder")
+    best = resumed.path.parent / "best.pt"
+    if resumed.state["run"].get("best") is None:  # not evaluated yet: it has no best weights so far
+        return
+    if not best.is_file():
+        _refuse(out_dir, f"{resumed.path} has no best.pt beside it, and its run's test pass reads its best "
+                "weights; put them there, or start a new run from these weights with --init-from "
+                f"{resumed.path}")
+    with open(best, "rb") as source:
+        write_atomic(out_dir / "best.pt", lambda file: shutil.copyfileobj(source, file),
+                     lambda: best.stat().st_size)
+
+
+def _refuse(out_dir: Path, message: str) -> None:
+    release_all(out_dir / ".lock")
+    raise UserError(message)
 
 
 def continue_command(out_dir: Path, world_size: int) -> str:
