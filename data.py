@@ -8,6 +8,8 @@ Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's 
 
 import csv
 import functools
+import hashlib
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ class Source:
     flip: bool = False  # images: left-right flips keep the labels
     stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
     notes: list[str] = field(default_factory=list)  # said once at start-up: files skipped, and why
+    files: dict[str, str] | None = None  # file datasets: each split's list, hashed (a checkpoint keeps it)
 
 
 # ---------------------------------------------------------------- the datasets
@@ -103,6 +106,10 @@ def image_folder(cfg: Config) -> Source:
         raise UserError(f"imagefolder: {named(missing[0])} is missing; {layout}")
     names, *held_names = (sorted(d.name for d in (root / split).iterdir() if d.is_dir()) for split in splits)
     for split, found in zip(splits, (names, *held_names), strict=True):
+        if not found and split != "train":
+            raise UserError(f"imagefolder: {named(root / split)} is empty; give it a folder per class as "
+                            f"train/ has ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                            f"{', or remove it: a test split is optional' if split == 'test' else ''}")
         if len(found) < 2:  # one level too high: train/ holds one folder that holds the classes
             raise UserError(f"imagefolder: {named(root / split)} holds {len(found)} class folder"
                             f"{'' if len(found) == 1 else 's'}{f' ({found[0]!r})' if found else ''}; a "
@@ -155,8 +162,9 @@ def csv_images(cfg: Config) -> Source:
 
 def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A training split's indices divided into train and val: round(`fraction` x N) examples held out, each
-    class's share in proportion to its size (stratified; the largest remainders round up), drawn with the
-    split's own seed: every run, --seed and process holds out the same ones."""
+    class's share in proportion to its size (stratified; the largest remainders round up) but never its
+    last example, which training needs; drawn with the split's own seed: every run, --seed and process
+    holds out the same ones."""
     total = round(fraction * len(labels))
     if not 0 < total < len(labels):
         raise UserError(f"{dataset}: {len(labels)} training examples are too few to hold out a "
@@ -164,8 +172,12 @@ def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch
                         "be); change --val-fraction, or give the dataset a val split of its own")
     classes, sizes = labels.unique(return_counts=True)
     quotas = fraction * sizes.double()
-    shares = quotas.floor().long()
-    shares[torch.argsort(shares - quotas, stable=True)[:total - int(shares.sum())]] += 1
+    shares = torch.minimum(quotas.floor().long(), sizes - 1)
+    room = [i for i in torch.argsort(shares - quotas, stable=True).tolist() if shares[i] < sizes[i] - 1]
+    shares[room[:total - int(shares.sum())]] += 1  # a class of one example holds out none
+    if not shares.sum():
+        raise UserError(f"{dataset}: every class has one training example: none can be held out for "
+                        "validation without leaving its class untrained; give the dataset a val split")
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     drawn = labels[order]  # each class's examples in the drawn order: its first `share` are held out
     val = torch.cat([order[drawn == c][:share] for c, share in zip(classes, shares.tolist(), strict=True)])
@@ -276,8 +288,12 @@ def image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()
     mode, (mean, std) = "L" if cfg.channels == 1 else "RGB", (torch.tensor(s) for s in IMAGENET_STATS)
     stats = (mean.mean().view(1), std.mean().view(1)) if cfg.channels == 1 else (mean, std)
     files = {split: _Files(items, transform, mode) for split, items in splits.items()}
+    listed = {split: "\n".join(f"{os.path.relpath(path, cfg.data_dir)}\t{label}" for path, label in items)
+              for split, items in splits.items()}  # where a split's files moved (a row appended, say)
+    listed = {split: hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+              for split, text in listed.items()}
     return Source(files["train"], files["val"], names, pad=max(size // 8, 1), flip=True, stats=stats,
-                  notes=list(notes), test=files.get("test"))
+                  notes=list(notes), test=files.get("test"), files=listed)
 
 
 def csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> list[tuple[Path, str | None]]:
@@ -285,12 +301,18 @@ def csv_rows(root: Path, name: str, notes: list[str], labels: bool = True) -> li
     file once: a repeated row is dropped (else a copy of a training row could land in the held-out split),
     and said in `notes`; a file listed with two labels is refused. A first row that names a file under root
     is no header but data: kept, and said in `notes`."""
-    try:
-        with open(root / name, newline="", encoding="utf-8") as f:
-            records = list(csv.reader(f))
+    try:  # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which is no part of a file name
+        with open(root / name, newline="", encoding="utf-8-sig") as f:
+            text = f.read()
+        first = text.partition("\n")[0]
+        separator = ";" if labels and ";" in first and "," not in first else ","  # Excel's, "," a decimal
+        records = list(csv.reader(io.StringIO(text, newline=""), delimiter=separator))
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"csv: cannot read {named(root / name)} as UTF-8 rows of file,label under a header "
                         f"({type(err).__name__})") from None
+    if separator == ";":
+        notes.append(f"csv: {named(root / name)} separates its fields with ';' (as Excel does in some "
+                     "languages): read so")
     start = 0 if records and records[0] and (root / records[0][0].strip()).is_file() else 1
     if start == 0:
         notes.append(f"csv: {named(root / name)} has no header (its first row names a file): read as data")

@@ -6,6 +6,7 @@ train nothing. In your own code, `load_trained(path)` gives the model a checkpoi
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -45,14 +46,22 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
                             "folder beside train/ and val/; csv: a test.csv); evaluate --split val")
         batches = splits.test if cfg.split == "test" else splits.val
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
+        if ours and cfg.split in checkpoints.changed_files(ckpt.get("data") or {}, info.data_record()):
+            raise UserError(f"--split {cfg.split}: its files are not those {path}'s run was trained and "
+                            f"chosen with ({cfg.dataset} changed since: files added, removed or moved): its "
+                            "score could count what the model trained on; evaluate on the data as it was")
+        # A test split that shares training files: said at training's start-up, and here again
+        shared = [note for note in info.notes if note.startswith(f"csv: {cfg.split}.csv lists")]
         load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
         check_model(model, batches, task, cfg, info)
         result = evaluate(model, batches, task, cfg, info, amp_setup(device, cfg.amp)[0])
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
               f"{cfg.split}_size": batches.num_examples,
-              **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details}
+              **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details,
+              **({"note": shared[0]} if shared else {})}
     if rank == 0:
+        print(*shared, sep="\n")
         logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
 
 
@@ -104,13 +113,17 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     if not path.exists():
         raise UserError(f"--predict {named(path)}: no such file or folder (an image, a folder, a CSV)")
     listed, notes = path.suffix.lower() == ".csv", []  # a CSV's rows name the images: taken as they are
-    found = ([file for file, _ in csv_rows(path.parent, path.name, notes, labels=False)] if listed else
-             sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    if listed:
+        found, broken = [file for file, _ in csv_rows(path.parent, path.name, notes, labels=False)], []
+    else:
+        found, broken = files_under(path) if path.is_dir() else ([path], [])
     files = [p for p in found if listed or p.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
         what = "is not an image file" if path.is_file() else "holds no image files"
         raise UserError(f"--predict {named(path)}: {what} ({', '.join(IMAGE_SUFFIXES)})")
-    said = [f"{len(found) - len(files)} skipped (not image files)"] if len(found) > len(files) else []
+    said = [f"{len(what)} skipped ({why}: {', '.join(named(p.relative_to(path)) for p in what[:3])}"
+            f"{', ...' if len(what) > 3 else ''})" for why, what in (
+                ("not image files", [p for p in found if p not in files]), ("broken links", broken)) if what]
     skipped = "; ".join(said + [note.removeprefix("csv: ") for note in notes])
     as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
@@ -118,6 +131,20 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     source = image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, []).train
     serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
     return Batches(source, None, serving, train=False, image=steps), files, skipped
+
+
+def files_under(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The files in `folder` and below, sorted, links followed as training's reader follows them (each real
+    folder once, so a link loop ends); and the broken links."""
+    found, broken, seen = [], [], set()
+    for top, folders, names in os.walk(folder, followlinks=True):
+        if (real := os.path.realpath(top)) in seen:
+            folders.clear()
+            continue
+        seen.add(real)
+        for name in names:
+            (found if os.path.isfile(os.path.join(top, name)) else broken).append(Path(top, name))
+    return sorted(found), sorted(broken)
 
 
 def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict]:

@@ -251,12 +251,17 @@ def load_toml(path: str) -> dict:
         raise UserError(f"{path}: not valid TOML (TOML files are UTF-8 text)") from None
     except OSError as err:
         raise UserError(f"config file {path} cannot be read ({err.strerror or err})") from None
-    out = {}
+    out, keys = {}, {}
     for key, raw in values.items():
         name = key.replace("-", "_")
+        if isinstance(raw, dict):  # TOML puts every key after a [section] header inside that section
+            raise UserError(f"{path}: [{key}] is a section, and a preset's settings are read from the top "
+                            "level only; move them above any [section] line, or drop the header")
         if name not in _FIELDS or name == "resume":
             raise UserError(f"{path}: unknown key {key!r}{_suggest(name, _FIELDS)}")
-        out[name] = _convert(name, _toml_typed(path, key, name, raw))
+        if name in keys:  # batch-size and batch_size are one setting: which one would win is no answer
+            raise UserError(f"{path}: {keys[name]!r} and {key!r} both set {name}; keep one")
+        keys[name], out[name] = key, _convert(name, _toml_typed(path, key, name, raw))
     return out
 
 

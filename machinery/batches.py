@@ -48,6 +48,7 @@ class DataInfo:
     notes: list[str] = field(default_factory=list)  # resizing, normalization: said once at start-up
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
     batches: int = 0  # this process's training batches per epoch
+    files: dict[str, str] | None = None  # file datasets: each split's list, hashed (data.Source.files)
 
     def sizes(self) -> dict:
         return {"train_size": self.train_size, "val_size": self.val_size, "test_size": self.test_size}
@@ -55,7 +56,7 @@ class DataInfo:
     def data_record(self) -> dict:
         """What a checkpoint records of the data, which a resume checks: the splits' sizes, the batches
         per epoch (they fix the schedule) and the names of the outputs."""
-        return {**self.sizes(), "batches": self.batches, "names": self.names}
+        return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files}
 
     def inputs_record(self) -> dict:
         """What a checkpoint records of the inputs: evaluate.py (--predict, load_trained) reads it."""
@@ -317,6 +318,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     info = DataInfo(batches=len(served["train"]), input_shape=(shape[0], resize, resize) if resize else shape,
                     input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
                     names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
+                    files=source.files,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info

@@ -173,18 +173,26 @@ def summarized(out_dir: Path, run: dict) -> bool:
 def check_same_data(resumed: Resumed, data: dict) -> None:
     """A resume's data must give the epochs the checkpoint's schedule was built for, and the splits that
     choose best.pt and report the result: the same number of training, val and test examples, of batches
-    per epoch, and the same classes (outputs)."""
+    per epoch, the same classes (outputs), and for files the same ones in each split."""
     saved = resumed.state["data"]
-    if saved == data:
-        return
     what = [f"{key.replace('_', ' ')} {saved.get(key)} -> {data[key]}"
             for key in ("train_size", "val_size", "test_size", "batches") if saved.get(key) != data[key]]
     if saved.get("names") != data["names"]:
         names = saved.get("names") or []
         what.append(f"{len(names)} -> {len(data['names'])} classes ({names[:6]} -> {data['names'][:6]})")
+    what += [f"other {split} files" for split in changed_files(saved, data)]
+    if not what:
+        return
     raise UserError(f"checkpoint {resumed.path} was trained on other data ({'; '.join(what)}): its "
                     "schedule and model do not fit this data; resume on the data it was trained on, or start "
                     "a new run with a new --out-dir")
+
+
+def changed_files(saved: dict, data: dict) -> list[str]:
+    """The splits whose files differ from those a checkpoint's data record lists (none where either has no
+    list: tensors, or a checkpoint older than the lists)."""
+    before, now = saved.get("files") or {}, data.get("files") or {}
+    return [split for split in now if split in before and before[split] != now[split]]
 
 
 def restore(resumed: Resumed, info, epochs: int, **objects) -> dict:

@@ -245,7 +245,7 @@ def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) ->
     eval_<picture>.png."""
     split = report["split"]
     print(f"{report['checkpoint']} on the {report[f'{split}_size']} {report['dataset']} {split} examples: "
-          f"{task.describe(val)}")
+          f"{task.describe(val, split)}")
     for line in task.report(val):
         print(f"  {line}")
     write_json_atomic(out_dir / "eval.json", report)
@@ -267,7 +267,9 @@ def write_predictions(path: Path, header: list[str], rows: list[list], files: li
         for file, row in zip(files, rows, strict=True)]
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerows(table)
-    write_bytes_atomic(path, text.getvalue().encode())
+    write_bytes_atomic(path, text.getvalue().encode("utf-8", "surrogateescape"))  # names' bytes as on disk
+    table = [[cell.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for cell in row]  # shown
+             for row in table[:shown + 1]]
     columns = min(len(table[0]), 5)  # the file, and the task's first columns
     widths = [max(len(row[i]) for row in table[:shown + 1]) for i in range(columns)]
     for row in table[:shown + 1]:

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import multiprocessing
 import signal
+import sys
 import threading
 
 import torch
@@ -88,6 +89,15 @@ def worker_init(worker: int) -> None:
     if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the parent's, inherited
         for sig in Signals.NAMES:
             signal.signal(sig, signal.SIG_IGN)
+        sys.excepthook = _quiet_when_parent_left
+
+
+def _quiet_when_parent_left(kind, error, trace) -> None:
+    """A worker's report of an error outside its batches (torch sends those to the main process). The
+    thread that hands tensors over (multiprocessing's resource_sharer) reports a connection the main
+    process dropped, stopping on a signal, in 20 lines: that is no error of the worker's."""
+    if not issubclass(kind, (ConnectionResetError, BrokenPipeError, EOFError)):
+        sys.__excepthook__(kind, error, trace)
 
 
 def _end_workers() -> None:

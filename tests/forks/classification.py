@@ -101,9 +101,9 @@ class Tally:
                            "confusion": confusion}, self.worst)
 
 
-def describe(val: Evaluation) -> str:
-    """The line each epoch ends with: "val loss 0.1234  val acc 96.00%"."""
-    return "  ".join(f"val {name} {show(name, val.metrics[name])}" for name in METRICS)
+def describe(result: Evaluation, split: str = "val") -> str:
+    """The line each epoch ends with, "val loss 0.1234  val acc 96.00%", and evaluate.py's, of its split."""
+    return "  ".join(f"{split} {name} {show(name, result.metrics[name])}" for name in METRICS)
 
 
 def report(val: Evaluation) -> list[str]:

@@ -64,8 +64,8 @@ class Tally:
         return Evaluation({"loss": values[0] / values[1], "f1": f1}, {"f1_per_label": per_label})
 
 
-def describe(val: Evaluation) -> str:
-    return "  ".join(f"val {name} {show(name, val.metrics[name])}" for name in METRICS)
+def describe(result: Evaluation, split: str = "val") -> str:
+    return "  ".join(f"{split} {name} {show(name, result.metrics[name])}" for name in METRICS)
 
 
 def report(val: Evaluation) -> list[str]:

@@ -59,8 +59,8 @@ class Tally:
         return Evaluation({"loss": squared / count, "mae": absolute / count}, {"mae_per_output": each})
 
 
-def describe(val: Evaluation) -> str:
-    return "  ".join(f"val {name} {show(name, val.metrics[name])}" for name in METRICS)
+def describe(result: Evaluation, split: str = "val") -> str:
+    return "  ".join(f"{split} {name} {show(name, result.metrics[name])}" for name in METRICS)
 
 
 def report(val: Evaluation) -> list[str]:
