@@ -38,7 +38,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
         print(edited)
     cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
-    rank, world_size, device = processes.start(cfg.device)
+    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout)
     splits, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=False)
     with splits:
         if cfg.split == "test" and splits.test is None:

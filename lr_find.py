@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                            {**CHOICES, "find_method": METHODS})
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
         device = processes.pick_device(cfg.device)
-        torch.manual_seed(cfg.seed)
+        checkpoints.seed_rngs(cfg.seed)
         splits, info, model = setup(cfg, task, device)
         print(*info.notes, sep="\n")
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)

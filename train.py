@@ -76,10 +76,10 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     of cfg) on top. Returns what summary.json holds."""
     # ---- Setup: a resume's checkpoint and config, this process's place, the rate, the run folder (claimed).
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
-    rank, world_size, device = processes.start(cfg.device)
+    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout)
     lr = lr_auto.resolve_lr(cfg, task, OPTIMIZERS)  # a number; --lr auto: lr_find.json's suggestion
     out_dir = run_folder.claim(Path(cfg.out_dir), resumed)
-    torch.manual_seed(cfg.seed)
+    checkpoints.seed_rngs(cfg.seed)
 
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
     batches, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=resumed is None)
@@ -94,8 +94,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                                               scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
                         ) if resumed else Progress()
     info.notes.append(compile_model(model, cfg.compile, device))  # in place: --compile MODE, or nothing
-    ddp_model = model if world_size == 1 else torch.nn.parallel.DistributedDataParallel(  # one model, and
-        model, device_ids=[device.index] if device.type == "cuda" else None)  # under torchrun one wrapper
+    ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
 
     # ---- Outputs: the resolved config, TensorBoard (rank 0), and what this run is, said once.
     processes.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})

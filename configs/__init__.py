@@ -122,7 +122,11 @@ class Config:
     compile: str = setting("off", "torch.compile the model in this mode (--compile alone: default); "
                            "reduce-overhead adds CUDA graphs (small models on a GPU, where launches bound "
                            "the step); off: eager", choices=COMPILE_MODES)
-    seed: int = setting(0, "for weights, data order and augmentation", limits="in [0, 2**32)")
+    seed: int = setting(0, "for weights, data order and augmentation (torch, numpy and Python's random)",
+                        limits="in [0, 2**32)")
+    dist_timeout: float = setting(60.0, "torchrun: minutes a process waits for the others before the job "
+                                  "fails (a download or a first compile on one rank must fit; NCCL's own "
+                                  "default is 10)", limits="> 0")
     out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json")
     log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
                              "is logged every step)", limits="> 0")

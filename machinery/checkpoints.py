@@ -83,10 +83,12 @@ def _tensor_bytes(value) -> int:
 
 def capture_rng_state() -> dict:
     """Every global RNG a training step may draw from, as tensors and plain values only (so it
-    survives ``torch.save``/``torch.load(weights_only=True)`` inside a checkpoint)."""
+    survives ``torch.save``/``torch.load(weights_only=True)`` inside a checkpoint). CUDA: the generator of
+    this process's own GPU. Under torchrun every rank seeds its GPU's alike and draws as much from it each
+    step (the same model, equal shards), so rank 0's, which its checkpoint keeps, is every rank's."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     if (np := sys.modules.get("numpy")) is not None:  # touched only when the caller already imported it
         name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
@@ -94,12 +96,22 @@ def capture_rng_state() -> dict:
     return state
 
 
+def seed_rngs(seed: int) -> None:
+    """--seed for torch (CPU and every GPU), numpy and Python's random: a fork's augmentation may draw from
+    any of them. DataLoader workers seed all three from their loader's generator (torch does)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if (np := sys.modules.get("numpy")) is not None:
+        np.random.seed(seed)
+
+
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"])[: torch.cuda.device_count()])
+    if "cuda" in state and torch.cuda.is_available():  # into this process's own GPU, whatever its index
+        own = state["cuda"][0] if isinstance(state["cuda"], (list, tuple)) else state["cuda"]  # older: [all]
+        torch.cuda.set_rng_state(own, torch.cuda.current_device())
     if "numpy" in state:
         import numpy as np
 

@@ -8,6 +8,7 @@ rank 0 can make (its files, a signal it received) reach the others by a collecti
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -41,8 +42,8 @@ def pick_device(name: str = "auto") -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UserError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if device.index is None:  # where each process sees one GPU (Slurm's --gpus-per-task=1), it is 0
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -50,8 +51,9 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-def start(device_name: str) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device). Under torchrun: one process per GPU (nccl), or gloo on CPU."""
+def start(device_name: str, timeout_minutes: float = 60.0) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun: one process per GPU (nccl), or gloo on CPU, whose
+    collectives wait `timeout_minutes` for every process (--dist-timeout) before the job fails."""
     device = pick_device(device_name)
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -62,7 +64,7 @@ def start(device_name: str) -> tuple[int, int, torch.device]:
     # would otherwise be found first (gloo then connects to it, and fails or hangs).
     store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes))
     return rank, world_size, device
 
 
@@ -172,6 +174,17 @@ def ranks_agree(module: nn.Module) -> bool:
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     return not any_rank(not torch.equal(flat, reference), flat.device)
+
+
+def data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model itself, or under torchrun its one DistributedDataParallel wrapper. Buffers are not
+    broadcast at each forward (broadcast_buffers=False): BatchNorm's running statistics serve evaluation
+    only, and each epoch's end shares rank 0's before it (share_from_rank0), which are the same either
+    way; a broadcast every forward, micro-batches included, bought nothing."""
+    if not is_distributed():
+        return model
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                               else None, broadcast_buffers=False)
 
 
 def cleanup() -> None:

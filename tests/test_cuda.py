@@ -251,3 +251,28 @@ def test_bench_reports_cifar10_images_per_second_with_and_without_compile(tmp_pa
     assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("cifar10", "cifar10_compiled")), rates
     print(f"bench --quick on {torch.cuda.get_device_name()}: cifar10 {rates['cifar10']:,.0f} img/s, "
           f"compiled {rates['cifar10_compiled']:,.0f} img/s")
+
+
+def test_cuda_rng_of_this_gpu_survives_a_checkpoint(tmp_path):
+    """Issue 41.22: a checkpoint keeps this process's own GPU's generator, and a restore puts it back there:
+    dropout draws the same masks again."""
+    torch.manual_seed(0)
+    torch.rand(5, device=CUDA)  # the generator moved past its seed
+    path = tmp_path / "rng.pt"
+    checkpoints.write_checkpoint({"rng": checkpoints.capture_rng_state()}, path)
+    first = torch.nn.functional.dropout(torch.ones(1000, device=CUDA), 0.5)
+    torch.rand(7, device=CUDA)
+    checkpoints.restore_rng_state(checkpoints.load_checkpoint(path)["rng"])
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(1000, device=CUDA), 0.5), first)
+
+
+def test_a_torchrun_process_takes_a_gpu_it_sees(monkeypatch):
+    """Issue 41.23: LOCAL_RANK past the GPUs this process sees (Slurm's --gpus-per-task=1) wraps round."""
+    from machinery import processes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    try:
+        assert processes.pick_device("cuda") == torch.device("cuda", 0)
+    finally:
+        torch.cuda.set_device(0)
