@@ -258,7 +258,7 @@ def load_toml(path: str) -> dict:
     out, keys = {}, {}
     for key, raw in values.items():
         name = key.replace("-", "_")
-        if isinstance(raw, dict):  # TOML puts every key after a [section] header inside that section
+        if isinstance(raw, dict) and name not in _FIELDS:  # TOML puts the keys after a [section] in it
             raise UserError(f"{path}: [{key}] is a section, and a preset's settings are read from the top "
                             "level only; move them above any [section] line, or drop the header")
         if name not in _FIELDS or name == "resume":

@@ -192,7 +192,8 @@ def check_same_data(resumed: Resumed, data: dict) -> None:
     if saved.get("names") != data["names"]:
         names = saved.get("names") or []
         what.append(f"{len(names)} -> {len(data['names'])} classes ({names[:6]} -> {data['names'][:6]})")
-    what += [f"other {split} files" for split in changed_files(saved, data)]
+    what += [f"other {split} files" for split in changed_files(saved, data)  # as many, but other ones
+             if saved.get(f"{split}_size") == data[f"{split}_size"]]
     if not what:
         return
     raise UserError(f"checkpoint {resumed.path} was trained on other data ({'; '.join(what)}): its "

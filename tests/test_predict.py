@@ -89,7 +89,7 @@ def test_a_digits_model_predicts_its_test_images_as_evaluate_scores_them(digits_
     assert len(rows) == 360 and "notes.txt" not in rows
     assert out.splitlines()[0].split() == ["file", "class", "probability", "class_2", "probability_2"]
     assert out.splitlines()[-1] == (f"360 files predicted -> {run / 'predictions.csv'} (the first 5 above); "
-                                    "1 skipped (not image files)")
+                                    "1 skipped (not image files: notes.txt)")
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
     # --evaluate's accuracy, to the image: each file gets the class evaluation gives its test image
