@@ -285,6 +285,11 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
         flip = source.flip and cfg.flip and cfg.augment
         image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
         notes.append(_image_steps(image, spec, cfg))
+    elif (source.pad or source.flip) and cfg.augment:  # clips [C, T, H, W], say: which axes would it crop?
+        raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
+                        f"{source.flip}), and its inputs are {list(shape)} {sample.dtype} tensors, not uint8 "
+                        "[C, H, W] images: the template does not know which axes to crop; set pad=0 and "
+                        "flip=False in its Source (augment in the dataset), or pass --no-augment")
     else:
         notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
                      "normalization or channels_last")

@@ -6,7 +6,9 @@ task.TARGETS says what the task's loss takes:
 - "classes": integer class ids of any dtype, read as int64, in [0, classes): one per example ([N]),
   or one per position ([N, *S], say per pixel), where the model gives [N, classes, *S];
 - "values": numbers, read as float32, shaped as the model's outputs; [N] is read as [N, 1] where
-  the model has one output.
+  the model has one output;
+- "any": as the data gives them, to the task's loss and Tally (a binned regression's [N] floats for
+  10 outputs, say); the check is the one batch: the loss of two examples is one finite number.
 Targets whose last two dimensions are the images' height and width are dense: crops and flips move
 them with their images, and a crop's padding gets IGNORE_INDEX, which the task's loss and metrics skip.
 """
@@ -20,7 +22,7 @@ from torch import nn
 
 from configs import UserError, first_line
 
-KINDS = ("classes", "values")  # what task.TARGETS may say
+KINDS = ("classes", "values", "any")  # what task.TARGETS may say
 IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
 SHOWN = 4  # bad values named in a refusal
 
@@ -52,12 +54,15 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
         _check_values(targets, kind, len(names), split)
         checked.append(f"{len(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
-            dense = image_size is not None and tuple(targets[0].shape[-2:]) == tuple(image_size)
+            dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
+                image_size)
             ids = targets if whole and kind == "classes" else None
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
-    what = f"class ids in [0, {len(names)})" if kind == "classes" else f"values for {len(names)} outputs"
+    what = {"classes": f"class ids in [0, {len(names)})", "values": f"values for {len(names)} outputs",
+            "any": "as the data gives them (TARGETS = \"any\")"}[kind]
+    per_position = ids is not None and ids.ndim > 1  # tokens' ids, or pixels': no one class an example
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
-    return Targets(kind, dense, counts, None if dense else ids), said
+    return Targets(kind, dense, counts, None if per_position else ids), said
 
 
 def check_model(model: nn.Module, batches, task, cfg, info) -> str:
@@ -80,7 +85,8 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
         raise UserError(f"the model {cfg.model} returns a {type(outputs).__name__}, not a tensor of outputs")
     classes, shape = batches.targets.kind == "classes", list(outputs.shape)
     want = [shape[0], *shape[2:]] if classes else shape
-    if not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
+    free = batches.targets.kind == "any"  # the task reads them as it likes: the loss below is the check
+    if not free and not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
         each = "a class id per example (or per position)" if classes else "one value per output"
         raise UserError(f"the model {cfg.model} gives outputs {shape} for {given} inputs, and the targets "
                         f"are {list(targets.shape)}: the task takes {each}, {len(info.names)} outputs (one "
@@ -90,12 +96,18 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
         what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's "
                         "summed loss (normalizer() says what it is divided by)")
+    if free and not torch.isfinite(loss):
+        raise UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, "
+                        f"{list(targets.shape)} {_dtype(targets)} targets): with TARGETS = \"any\" that is "
+                        "the check, so make the loss read these targets")
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
 def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
     """Targets as the task (`kind`: task.TARGETS) takes them: int64 class ids, or float32 values, [N] as
-    [N, 1]. Tensor splits already are (no op then); a Dataset's batches are converted here."""
+    [N, 1], or as they are. Tensor splits already are (no op then); a Dataset's batches are converted here."""
+    if kind == "any":
+        return targets
     if kind == "values" and targets.ndim == 1:
         targets = targets[:, None]
     return targets.to(torch.int64 if kind == "classes" else torch.float32)
@@ -111,7 +123,7 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
                             "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
-    elif targets.ndim == 1 and outputs != 1:
+    elif kind == "values" and targets.ndim == 1 and outputs != 1:
         raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
                         f"Source), and the {split} targets are {list(targets.shape)}: one each")
     return as_taken(targets, kind)
