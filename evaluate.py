@@ -38,7 +38,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
         print(edited)
     cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
-    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout)
+    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
     splits, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=False)
     with splits:
         if cfg.split == "test" and splits.test is None:
@@ -73,7 +73,7 @@ def predict(cfg: Config, given: dict, task=default_task) -> None:
     path = Path(cfg.checkpoint)
     ckpt = checkpoints.load_predictor(path, task)
     cfg = evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
-    device, names = processes.pick_device(cfg.device), ckpt["data"]["names"]
+    device, names = processes.pick_device(cfg.device, cfg.deterministic), ckpt["data"]["names"]
     reading = ckpt["inputs"]["reading"]  # how the run read its images
     batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), reading, device)
     model = build_model(cfg, reading["channels"], len(names), device, fresh=False).eval()

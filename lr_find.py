@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
                            {**CHOICES, "find_method": METHODS})
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
-        device = processes.pick_device(cfg.device)
+        device = processes.pick_device(cfg.device, cfg.deterministic)
         checkpoints.seed_rngs(cfg.seed)
         splits, info, model = setup(cfg, task, device)
         print(*info.notes, sep="\n")

@@ -76,7 +76,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     of cfg) on top. Returns what summary.json holds."""
     # ---- Setup: a resume's checkpoint and config, this process's place, the rate, the run folder (claimed).
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
-    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout)
+    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
     lr = lr_auto.resolve_lr(cfg, task, OPTIMIZERS)  # a number; --lr auto: lr_find.json's suggestion
     out_dir = run_folder.claim(Path(cfg.out_dir), resumed)
     checkpoints.seed_rngs(cfg.seed)

@@ -124,6 +124,8 @@ class Config:
                            "the step); off: eager", choices=COMPILE_MODES)
     seed: int = setting(0, "for weights, data order and augmentation (torch, numpy and Python's random)",
                         limits="in [0, 2**32)")
+    deterministic: bool = setting(False, "repeatable bit for bit on a GPU too: deterministic kernels only, "
+                                  "no cuDNN autotuning, no TF32 (slower; CPU runs already repeat)")
     dist_timeout: float = setting(60.0, "torchrun: minutes a process waits for the others before the job "
                                   "fails (a download or a first compile on one rank must fit; NCCL's own "
                                   "default is 10)", limits="> 0")

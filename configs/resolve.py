@@ -18,7 +18,7 @@ MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "init_from", "find_
 # --lr auto compares every other setting with the config its sweep measured.
 KEEPS_LR = (*(name for name in MAY_CHANGE_ON_RESUME if name != "init_from"), "synthetic_val_size", "lr",
             "ema", "schedule", "epochs", "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start",
-            "div_factor", "final_div_factor", "channels_last", "seed")
+            "div_factor", "final_div_factor", "channels_last", "seed", "deterministic")
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 # What evaluate.py takes from its command line; the model and data settings come from the checkpoint.
 # The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.

@@ -23,8 +23,10 @@ from torch import nn
 from configs import UserError
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """cuda > mps > cpu unless forced; under torchrun each process takes its LOCAL_RANK's GPU."""
+def pick_device(name: str = "auto", deterministic: bool = False) -> torch.device:
+    """cuda > mps > cpu unless forced; under torchrun each process takes its LOCAL_RANK's GPU. CUDA runs
+    fast (TF32, cuDNN autotuning), or with `deterministic` repeatably: deterministic kernels only (an op
+    without one raises, and the scripts name it in one line), no autotuning, no TF32."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
@@ -44,17 +46,24 @@ def pick_device(name: str = "auto") -> torch.device:
             raise UserError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
         if device.index is None:  # where each process sees one GPU (Slurm's --gpus-per-task=1), it is 0
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if deterministic:  # cuBLAS reads this when it starts, at the first matmul: before it, here
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not deterministic
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = not deterministic, deterministic
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        if device.type != "cuda":
+            say(f"--deterministic: on {device.type} the kernels already repeat bit for bit; only an op with "
+                "no deterministic kernel would now stop the run")
     return device
 
 
-def start(device_name: str, timeout_minutes: float = 60.0) -> tuple[int, int, torch.device]:
+def start(device_name: str, timeout_minutes: float = 60.0, deterministic: bool = False
+          ) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun: one process per GPU (nccl), or gloo on CPU, whose
     collectives wait `timeout_minutes` for every process (--dist-timeout) before the job fails."""
-    device = pick_device(device_name)
+    device = pick_device(device_name, deterministic)
     if "RANK" not in os.environ:
         return 0, 1, device
     watch_parent()

@@ -197,6 +197,9 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
     elif "without overflow" in text:
         line = (f"a setting is too large for float32 ({first}); check --lr, --weight-decay, --momentum, "
                 "--div-factor and --final-div-factor")
+    elif "does not have a deterministic implementation" in text:  # --deterministic: the op torch names
+        line = (f"--deterministic: {text.split()[0]} has no deterministic kernel on this device; run without "
+                "--deterministic, or replace the layer that uses it (docs/training.md lists the common ones)")
     elif type(err).__name__ in ("BackendCompilerFailed", "InductorError", "CppCompileError"):
         line = (f"--compile failed ({first}); run without --compile (on CPU, torch.compile also needs a "
                 "C++ compiler such as g++)")

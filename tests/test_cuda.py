@@ -10,6 +10,7 @@ torch.compile with Triton. A few minutes on one GPU.
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -276,3 +277,21 @@ def test_a_torchrun_process_takes_a_gpu_it_sees(monkeypatch):
         assert processes.pick_device("cuda") == torch.device("cuda", 0)
     finally:
         torch.cuda.set_device(0)
+
+
+def test_deterministic_settings_and_two_identical_runs(tmp_path):
+    """Issue 43: --deterministic on CUDA: deterministic kernels, no cuDNN autotuning, no TF32, cuBLAS's
+    workspace set; two short runs give the same weights bit for bit."""
+    try:
+        weights = []
+        for run in ("a", "b"):
+            train.train(parse_config([*SMALL, "--epochs", "1", "--dropout", "0.2", "--deterministic",
+                                      "--out-dir", str(tmp_path / run)]))
+            assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+            weights.append(checkpoints.load_checkpoint(tmp_path / run / "last.pt")["model"])
+        assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
