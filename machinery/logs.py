@@ -32,14 +32,17 @@ class TensorBoard(contextlib.AbstractContextManager):
     out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's).
 
     Scalars are kept on the host (`point`) and handed to the writer at log points (`write`), so that a
-    step does no host work for them; `flush` (before each save) puts all so far in the file."""
+    step does no host work for them; `flush` (before each save) puts all so far in the file. Each scalar
+    also goes to out_dir/metrics.csv, one `step,tag,value,wall_time` row a point, for pandas or a
+    spreadsheet; a resume drops its rows past the checkpoint (and the test pass's), as TensorBoard's
+    purge drops its points."""
 
     def __init__(self, out_dir: Path, resumed_step: int | None, active: bool):
         """One run, one set of curves: a new run first moves an earlier run's event files into a subfolder
         named after that run's start (`moved`), so the two do not draw over each other. A resumed run tells
         TensorBoard to drop what the interrupted process logged after its checkpoint (purge_step), which it
         logs again."""
-        self.out_dir, self.writer, self.moved, self.points = out_dir, None, None, []
+        self.out_dir, self.writer, self.moved, self.points, self.csv = out_dir, None, None, [], None
         if not active:
             return
         quiet_tensorboard_thread()
@@ -55,10 +58,11 @@ class TensorBoard(contextlib.AbstractContextManager):
                     n += 1
                     self.moved = out_dir / f"{started}-{n}"
                 self.moved.mkdir()
-                for path in earlier:
+                for path in [*earlier, *out_dir.glob(METRICS_CSV)]:
                     path.rename(self.moved / path.name)
             purge = None if resumed_step is None else resumed_step + 1
             self.writer = SummaryWriter(str(out_dir), purge_step=purge)
+            self.csv = metrics_csv(out_dir / METRICS_CSV, resumed_step)
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
@@ -67,6 +71,8 @@ class TensorBoard(contextlib.AbstractContextManager):
         if error_type is not None and self.writer:
             with contextlib.suppress(OSError):
                 self.writer.close()
+            if self.csv:
+                self.csv.close()
 
     def point(self, tag: str, step: int, value: float) -> None:
         """A scalar, kept until the next write()."""
@@ -77,8 +83,11 @@ class TensorBoard(contextlib.AbstractContextManager):
         """The points kept so far and `points` (tag, step, value) to the writer, whose thread writes them."""
         if self.writer:
             with self._errors():
-                for tag, step, value in [*self.points, *points]:
-                    self.writer.add_scalar(tag, value, step)
+                now, rows = time.time(), [*self.points, *points]
+                for tag, step, value in rows:
+                    self.writer.add_scalar(tag, value, step, walltime=now)
+                csv.writer(self.csv, lineterminator="\n").writerows(
+                    (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
         self.points = []
 
     def flush(self) -> None:
@@ -87,6 +96,7 @@ class TensorBoard(contextlib.AbstractContextManager):
         if self.writer:
             with self._errors():
                 self.writer.flush()
+                self.csv.flush()
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
@@ -110,6 +120,25 @@ class TensorBoard(contextlib.AbstractContextManager):
                 self.writer.file_writer.add_summary(summary)
             self.writer.flush()  # raises what the writer thread met; close() would drop it
             self.writer.close()
+            self.csv.close()
+
+
+METRICS_CSV = "metrics.csv"
+METRICS_COLUMNS = ("step", "tag", "value", "wall_time")
+
+
+def metrics_csv(path: Path, resumed_step: int | None):
+    """metrics.csv to append to: a new run's starts with its header; a resumed run's keeps the rows up to
+    its checkpoint's step, written again whole (the test pass's rows go too: the run's end logs them)."""
+    kept = []
+    if resumed_step is not None and path.is_file():
+        with open(path, newline="", encoding="utf-8") as f:
+            kept = [row for row in list(csv.reader(f))[1:] if len(row) == len(METRICS_COLUMNS)
+                    and row[0].isdigit() and int(row[0]) <= resumed_step and not row[1].startswith("test/")]
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows([METRICS_COLUMNS, *kept])
+    write_bytes_atomic(path, text.getvalue().encode())
+    return open(path, "a", newline="", encoding="utf-8")  # the writer's file: closed with it
 
 
 def quiet_tensorboard_thread() -> None:

@@ -2,15 +2,18 @@
 recorded and a resume may not change it; an op with no deterministic kernel is one line naming it; our
 models have none such (resnet9's global max pool runs as amax)."""
 
+import csv
 import json
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import crash_at_step, read_scalars, run_main
 from test_work_kept import TINY, one_line
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import models
+import train
+from configs import Config, parse_config, parse_given
 from machinery import checkpoints, stops
 
 
@@ -62,3 +65,26 @@ def test_our_models_use_no_op_that_cuda_runs_without_a_deterministic_kernel(name
         model(x).sum().backward()
     assert not {op for op in ops.names if "adaptive_max_pool" in op or "adaptive_avg_pool" in op}, ops.names
     assert torch.equal(models.GlobalMax()(x), torch.nn.AdaptiveMaxPool2d(1)(x))
+
+
+def metric_rows(out_dir) -> list[tuple[int, str, float]]:
+    with open(out_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "tag", "value", "wall_time"]
+    return [(int(step), tag, float(value)) for step, tag, value, _ in rows[1:]]
+
+
+def test_metrics_csv_holds_every_point_once_across_a_crash_and_resume(tmp_path, monkeypatch):
+    argv = [*TINY, "--epochs", "2", "--log-every", "1", "--save-every", "3"]
+    train.train(parse_config([*argv, "--out-dir", str(tmp_path / "straight")]))
+    straight = metric_rows(tmp_path / "straight")
+    scalars = read_scalars(tmp_path / "straight")  # the same points as TensorBoard's
+    assert sorted(straight) == sorted((step, tag, pytest.approx(value)) for tag, points in scalars.items()
+                                      for step, value in points)
+    assert {tag for _, tag, _ in straight} >= {"train/loss", "train/lr", "val/acc", "val/loss", "test/acc"}
+    with crash_at_step(monkeypatch, 5):  # last.pt at step 3; the rows of step 4 are on disk, past it
+        train.train(parse_config([*argv, "--out-dir", str(tmp_path / "broken")]))
+    assert max(step for step, _, _ in metric_rows(tmp_path / "broken")) == 4
+    given = parse_given(["--resume", "--out-dir", str(tmp_path / "broken")])
+    train.train(Config(**given), given)
+    assert metric_rows(tmp_path / "broken") == straight  # each (step, tag) once, with the same values
