@@ -96,9 +96,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     info.notes.append(compile_model(model, cfg.compile, device))  # in place: --compile MODE, or nothing
     ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
 
-    # ---- Outputs: the resolved config, TensorBoard (rank 0), and what this run is, said once.
+    # ---- Outputs: the logs --log names (rank 0), the resolved config, and what this run is, said once.
+    tensorboard = logs.TensorBoard(out_dir, cfg, resumed, lr, active=rank == 0)  # first: --log's packages
     processes.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    tensorboard = logs.TensorBoard(out_dir, progress.step if resumed else None, active=rank == 0)
     logs.announce(cfg, task, info, tensorboard.moved)
     logs.describe_run(cfg, model, (device, amp_dtype), lr, total_steps)
 
@@ -110,7 +110,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "scaler": scaler.state_dict() if scaler else None, "rng": checkpoints.capture_rng_state(),
                 "run": run, "config": {**cfg.to_dict(), "lr": lr}, "task": task.NAME,
                 "task_source": checkpoints.task_identity(task)["source"], "data": info.data_record(),
-                "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps}
+                "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps,
+                "trackers": tensorboard.run_ids()}
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     started, speed, seeds, val = time.perf_counter(), logs.Speed(), {}, None

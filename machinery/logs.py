@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from configs import Config
-from machinery import processes
+from machinery import processes, trackers
 from machinery.files import reporting_write_errors, write_bytes_atomic, write_json_atomic
 from machinery.pictures import write_png_atomic
 
@@ -27,30 +27,31 @@ from machinery.pictures import write_png_atomic
 
 
 class TensorBoard(contextlib.AbstractContextManager):
-    """Rank 0's TensorBoard writer for a train.py run (with active False, on the other ranks, every
-    call does nothing). A failed write, here or in the writer's thread, is one UserError line naming
-    out_dir; on any error the writer is closed quietly, keeping the curves so far (a diverged run's).
+    """Rank 0's logs of a train.py run, as --log names them (with active False, on the other ranks, every
+    call does nothing): TensorBoard's writer, metrics.csv, and W&B or MLflow (machinery/trackers.py), all
+    fed from here, the same points at the same log points. A failed write, here or in the writer's thread,
+    is one UserError line naming out_dir; on any error the files are closed quietly, keeping the curves
+    so far (a diverged run's).
 
-    Scalars are kept on the host (`point`) and handed to the writer at log points (`write`), so that a
-    step does no host work for them; `flush` (before each save) puts all so far in the file. Each scalar
-    also goes to out_dir/metrics.csv, one `step,tag,value,wall_time` row a point, for pandas or a
-    spreadsheet; a resume drops its rows past the checkpoint (and the test pass's), as TensorBoard's
-    purge drops its points."""
+    Scalars are kept on the host (`point`) and handed on at log points (`write`), so that a step does no
+    host work for them; `flush` (before each save) puts all so far in the files. metrics.csv has one
+    `step,tag,value,wall_time` row a point, for pandas or a spreadsheet; a resume drops its rows past the
+    checkpoint (and the test pass's), as TensorBoard's purge drops its points."""
 
-    def __init__(self, out_dir: Path, resumed_step: int | None, active: bool):
-        """One run, one set of curves: a new run first moves an earlier run's event files into a subfolder
-        named after that run's start (`moved`), so the two do not draw over each other. A resumed run tells
-        TensorBoard to drop what the interrupted process logged after its checkpoint (purge_step), which it
-        logs again."""
+    def __init__(self, out_dir: Path, cfg: Config, resumed, lr: float, active: bool):
+        """One run, one set of curves: a new run first moves an earlier run's event files and metrics.csv
+        into a subfolder named after that run's start (`moved`), so the two do not draw over each other. A
+        resumed run (`resumed`: checkpoints.Resumed) tells TensorBoard to drop what the interrupted process
+        logged after its checkpoint (purge_step), which it logs again, and continues its trackers' runs."""
         self.out_dir, self.writer, self.moved, self.points, self.csv = out_dir, None, None, [], None
+        self.active, self.trackers, names = active, {}, cfg.log.split(",")
         if not active:
             return
-        quiet_tensorboard_thread()
-        from torch.utils.tensorboard import SummaryWriter
-
+        trackers.check_installed([name for name in names if name in trackers.OPENERS])  # before any file
+        resumed_step = resumed and resumed.state["step"]
         with self._errors():
             earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # ...tfevents.<unix time>.<host>...
-            if resumed_step is None and earlier:
+            if resumed is None and (earlier or (out_dir / METRICS_CSV).exists()):
                 stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
                 started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
                 self.moved, n = out_dir / started, 1
@@ -60,67 +61,93 @@ class TensorBoard(contextlib.AbstractContextManager):
                 self.moved.mkdir()
                 for path in [*earlier, *out_dir.glob(METRICS_CSV)]:
                     path.rename(self.moved / path.name)
-            purge = None if resumed_step is None else resumed_step + 1
-            self.writer = SummaryWriter(str(out_dir), purge_step=purge)
-            self.csv = metrics_csv(out_dir / METRICS_CSV, resumed_step)
+            if "tensorboard" in names:
+                quiet_tensorboard_thread()
+                from torch.utils.tensorboard import SummaryWriter
+
+                purge = None if resumed is None else resumed_step + 1
+                self.writer = SummaryWriter(str(out_dir), purge_step=purge)
+            if "csv" in names:
+                self.csv = metrics_csv(out_dir / METRICS_CSV, resumed_step)
+        kept = (resumed and resumed.state.get("trackers")) or {}
+        config = {**cfg.to_dict(), "lr": lr}
+        for name in [name for name in names if name in trackers.OPENERS]:
+            self.trackers[name] = trackers.OPENERS[name](out_dir, config, kept.get(name), cfg.log_model)
+
+    def run_ids(self) -> dict[str, str]:
+        """Each tracker's run id, which the checkpoint keeps: a resume continues the same runs."""
+        return {name: tracker.run_id for name, tracker in self.trackers.items()}
 
     def _errors(self):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
 
     def __exit__(self, error_type, *_) -> None:
-        if error_type is not None and self.writer:
+        if error_type is not None:
             with contextlib.suppress(OSError):
-                self.writer.close()
-            if self.csv:
-                self.csv.close()
+                for file in (self.writer, self.csv):
+                    if file:
+                        file.close()
+            for tracker in self.trackers.values():
+                with contextlib.suppress(Exception):  # the run's own error is the line to say
+                    tracker.stop()
 
     def point(self, tag: str, step: int, value: float) -> None:
         """A scalar, kept until the next write()."""
-        if self.writer:
+        if self.active:
             self.points.append((tag, step, value))
 
     def write(self, *points: tuple[str, int, float]) -> None:
-        """The points kept so far and `points` (tag, step, value) to the writer, whose thread writes them."""
-        if self.writer:
+        """The points kept so far and `points` (tag, step, value) to the writer, whose thread writes them,
+        to metrics.csv and to the trackers."""
+        if self.active:
             with self._errors():
                 now, rows = time.time(), [*self.points, *points]
-                for tag, step, value in rows:
+                for tag, step, value in rows if self.writer else ():
                     self.writer.add_scalar(tag, value, step, walltime=now)
-                csv.writer(self.csv, lineterminator="\n").writerows(
-                    (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
+                if self.csv:
+                    csv.writer(self.csv, lineterminator="\n").writerows(
+                        (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
+                for tracker in self.trackers.values():
+                    tracker.scalars(rows)
         self.points = []
 
     def flush(self) -> None:
-        """Everything so far into the event file: before a save, so that the log holds each step saved."""
+        """Everything so far into the files: before a save, so that the logs hold each step saved."""
         self.write()
-        if self.writer:
-            with self._errors():
-                self.writer.flush()
-                self.csv.flush()
+        with self._errors():
+            for file in (self.writer, self.csv):
+                if file:
+                    file.flush()
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
-        if self.writer:
+        shown = {tag: picture for tag, picture in pictures.items() if picture is not None}
+        if self.active and shown:
             with self._errors():
-                for tag, picture in pictures.items():
-                    if picture is not None:
-                        self.writer.add_image(tag, picture, step, dataformats="HWC")
+                for tag, picture in shown.items() if self.writer else ():
+                    self.writer.add_image(tag, picture, step, dataformats="HWC")
+                for tracker in self.trackers.values():
+                    tracker.images(shown, step)
 
-    def finish(self, hparams: dict, metrics: list[str]) -> None:
-        """The HPARAMS tab's row for this run, then flush and close. Its metric columns are the run's
-        own scalar curves (their last values): add_hparams() would write each again, as one-point charts
-        in a subfolder, so its summaries go to this writer's file instead."""
-        if not self.writer:
+    def finish(self, hparams: dict, metrics: list[str], summary: dict) -> None:
+        """The HPARAMS tab's row for this run, the trackers' summary and files, then flush and close. The
+        row's metric columns are the run's own scalar curves (their last values): add_hparams() would write
+        each again, as one-point charts in a subfolder, so its summaries go to this writer's file instead."""
+        if not self.active:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
         self.write()
         with self._errors():
-            for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
-                self.writer.file_writer.add_summary(summary)
-            self.writer.flush()  # raises what the writer thread met; close() would drop it
-            self.writer.close()
-            self.csv.close()
+            for tracker in self.trackers.values():
+                tracker.finish(summary, [self.out_dir / "config.json", self.out_dir / "summary.json"])
+            if self.csv:
+                self.csv.close()
+            if self.writer:
+                for row in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):
+                    self.writer.file_writer.add_summary(row)
+                self.writer.flush()  # raises what the writer thread met; close() would drop it
+                self.writer.close()
 
 
 METRICS_CSV = "metrics.csv"
@@ -255,11 +282,11 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], tenso
     tested = f"test_{main}" in summary
     splits = ("val", "test") if tested else ("val",)
     curves = [f"{split}/{name}" for split in splits for name in task.METRICS]
-    tensorboard.finish({**hparams, "lr": summary["lr"]}, curves)
     for name in task.SAVED_PICTURES:
         if pictures.get(name) is not None:
             write_png_atomic(out_dir / f"{name}.png", pictures[name])
     write_json_atomic(out_dir / "summary.json", summary)
+    tensorboard.finish({**hparams, "lr": summary["lr"]}, curves, summary)  # summary.json to the trackers
     total, parts = summary["total_seconds"], summary["parts"]
     early = f", stopped early after epoch {summary['epochs_run']}" if summary["stopped"] else ""
     test = f", test {main} {task.show(main, summary[f'test_{main}'])} (best.pt)" if tested else ""

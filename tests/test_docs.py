@@ -60,6 +60,12 @@ MARKED = {
         "--rdzv-id=myrun train.py --config configs/cifar10.toml": "needs GPUs",
         "torchrun --standalone --nproc_per_node=4 --max-restarts=3 train.py --config configs/cifar10.toml "
         "--out-dir runs/c10 --resume auto": "needs GPUs",
+        "pip install wandb mlflow-skinny": "downloads",
+        "python train.py --log tensorboard,csv,wandb": "downloads",
+        "WANDB_MODE=offline python train.py --log wandb --out-dir runs/w": "slow",
+        "wandb sync runs/w/wandb/offline-run-*": "downloads",
+        "python train.py --log mlflow --out-dir runs/m": "slow",
+        "mlflow ui --backend-store-uri sqlite:///runs/mlflow.db": "runs until stopped",
     },
     "docs/your_data.md": {
         "python lr_find.py --dataset imagefolder --data-dir my_images --model resnet18 --pretrained "

@@ -134,10 +134,12 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(tmp_path, monkeypat
     assert "epochs: 1 -> 2" in one_line(code, err)  # onecycle is shaped by the run's length
 
 
-def interrupt(argv: list[str], out_dir: Path, sig: int, group: bool = False) -> subprocess.CompletedProcess:
+def interrupt(argv: list[str], out_dir: Path, sig: int, group: bool = False,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """train.py ARGV, sent `sig` once its first checkpoint is on disk (to its whole process group,
-    DataLoader workers included, with group), and waited for."""
+    DataLoader workers included, with group), and waited for; `env` on top of this process's."""
     proc = subprocess.Popen([*LAUNCH, "train.py", *argv, "--out-dir", str(out_dir)], cwd=ROOT,
+                            env={**os.environ, **(env or {})},
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=group)
     deadline = time.monotonic() + 120

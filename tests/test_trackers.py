@@ -1,0 +1,67 @@
+"""Issue 43: --log's trackers. An unknown name or a missing package is one line with nothing written;
+W&B (offline) keeps one run across a SIGTERM and --resume; MLflow (on SQLite, read back with MlflowClient)
+keeps one run whose points are each there once, with the lr as a parameter."""
+
+import json
+import signal
+import sys
+
+import pytest
+from conftest import crash_at_step, run_main, run_script
+from test_faults import assert_one_line_failure
+from test_work_kept import TINY, interrupt
+
+import train
+from configs import Config, parse_config, parse_given
+from machinery import checkpoints
+
+
+def test_an_unknown_tracker_or_a_missing_package_is_one_line_with_nothing_written(tmp_path, monkeypatch,
+                                                                                  capsys):
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log", "tensorbord", "--out-dir", tmp_path / "a")
+    line = assert_one_line_failure(code, out, err)
+    assert "unknown --log 'tensorbord'; did you mean 'tensorboard'?" in line
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: its import fails
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log", "tensorboard,wandb", "--out-dir",
+                              tmp_path / "b")
+    assert "the wandb package is not installed; pip install wandb" in assert_one_line_failure(code, out, err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_wandb_offline_keeps_one_run_across_a_sigterm_and_resume(tmp_path):
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    argv = [*TINY, "--epochs", "30", "--save-every", "3", "--log", "tensorboard,csv,wandb"]
+    stopped = interrupt(argv, tmp_path, signal.SIGTERM, env=env)
+    assert stopped.returncode == 128 + signal.SIGTERM and stopped.stderr == "", stopped.stderr[-2000:]
+    first = checkpoints.load_checkpoint(tmp_path / "last.pt")["trackers"]["wandb"]
+    done = run_script("train.py", "--resume", "--out-dir", str(tmp_path), env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["trackers"] == {"wandb": first}
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{first}") for name in runs), runs
+
+
+def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "runs" / "x"
+    argv = [*TINY, "--epochs", "2", "--log-every", "1", "--save-every", "3", "--log", "mlflow",
+            "--out-dir", str(out)]
+    with crash_at_step(monkeypatch, 6):  # last.pt at step 3; MLflow has points of steps 4 and 5
+        train.train(parse_config(argv))
+    given = parse_given(["--resume", "--out-dir", str(out)])
+    summary = train.train(Config(**given), given)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("torch-template")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "x" and run.info.status == "FINISHED"
+    assert float(run.data.params["lr"]) == summary["lr"]
+    for tag in ("train/loss", "val/acc", "test/acc"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [4, 8]
+    assert client.get_metric_history(run.info.run_id, "val/acc")[-1].value == summary["val_acc"]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
