@@ -91,11 +91,13 @@ def open_mlflow(out_dir: Path, config: dict, run_id: str | None, log_model: bool
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.absolute().parent / 'mlflow.db'}"
-    client = MlflowClient(uri)
+    beside = out_dir.absolute().parent  # the store and its artifacts beside the run folders, not in the cwd
+    uri, store = os.environ.get("MLFLOW_TRACKING_URI"), (beside / "mlruns").as_uri()
+    client = MlflowClient(uri or f"sqlite:///{beside / 'mlflow.db'}")
     if run_id is None:
         experiment = client.get_experiment_by_name(PROJECT)
-        found = experiment.experiment_id if experiment else client.create_experiment(PROJECT)
+        found = experiment.experiment_id if experiment else client.create_experiment(
+            PROJECT, artifact_location=None if uri else store)
         run_id = client.create_run(found, run_name=out_dir.name).info.run_id
         client.log_batch(run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
     else:

@@ -16,6 +16,7 @@ import io
 import pytest
 import torch
 from conftest import Ops, build_loaders
+from test_sync import ALL_LOGS, offline_trackers
 
 import task
 import train
@@ -89,9 +90,11 @@ def added(ops: collections.Counter, bare: collections.Counter) -> dict[str, floa
     return {op: ops[op] - bare[op] for op in sorted(ops.keys() | bare.keys()) if ops[op] != bare[op]}
 
 
-@pytest.mark.parametrize("flags", [[], ["--amp", "fp16"], ["--accum-steps", "2"]],
-                         ids=["fp32", "fp16", "accum2"])
-def test_loop_adds_at_most_the_kept_loss_per_micro_batch(tmp_path, flags):
+@pytest.mark.parametrize("flags", [[], ["--amp", "fp16"], ["--accum-steps", "2"], ALL_LOGS],
+                         ids=["fp32", "fp16", "accum2", "all-trackers"])
+def test_loop_adds_at_most_the_kept_loss_per_micro_batch(tmp_path, flags, monkeypatch):
+    if flags == ALL_LOGS:
+        offline_trackers(monkeypatch)
     ops, bare = loop_ops(tmp_path, flags)
     extra = added(ops, bare)
     micro_batches = flags[flags.index("--accum-steps") + 1] if "--accum-steps" in flags else 1

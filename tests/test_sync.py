@@ -60,10 +60,24 @@ def train_reads_per_step(tmp_path, flags: list[str], device: str = "cpu") -> flo
     return per_step(run)
 
 
+ALL_LOGS = ["--log", "tensorboard,csv,wandb,mlflow"]  # issue 43: the trackers add no per-step work
+
+
+def offline_trackers(monkeypatch) -> None:
+    """W&B offline and MLflow on SQLite beside the runs, for tests that log to all of --log's trackers."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.mark.parametrize("flags", [[], ["--no-augment"], ["--amp", "bf16"], ["--loader", "dataloader"],
-                                   ["--ema", "0.99"]],
-                         ids=["fp32", "no-augment", "bf16", "dataloader", "ema"])
-def test_no_host_reads_between_log_points(tmp_path, flags):
+                                   ["--ema", "0.99"], ALL_LOGS],
+                         ids=["fp32", "no-augment", "bf16", "dataloader", "ema", "all-trackers"])
+def test_no_host_reads_between_log_points(tmp_path, flags, monkeypatch):
+    if flags == ALL_LOGS:
+        offline_trackers(monkeypatch)
     reads = train_reads_per_step(tmp_path, flags)
     print(f"train.py {' '.join(flags) or 'fp32'}: {reads:.3f} host reads per step")
     assert reads <= 0.05

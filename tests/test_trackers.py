@@ -7,7 +7,7 @@ import signal
 import sys
 
 import pytest
-from conftest import crash_at_step, run_main, run_script
+from conftest import ROOT, crash_at_step, run_main, run_script
 from test_faults import assert_one_line_failure
 from test_work_kept import TINY, interrupt
 
@@ -65,3 +65,4 @@ def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [4, 8]
     assert client.get_metric_history(run.info.run_id, "val/acc")[-1].value == summary["val_acc"]
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
+    assert list((tmp_path / "runs" / "mlruns").rglob("summary.json")) and not (ROOT / "mlruns").exists()
