@@ -96,8 +96,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     info.notes.append(compile_model(model, cfg.compile, device))  # in place: --compile MODE, or nothing
     ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
 
-    # ---- Outputs: the logs --log names (rank 0), the resolved config, and what this run is, said once.
-    tensorboard = logs.TensorBoard(out_dir, cfg, resumed, lr, active=rank == 0)  # first: --log's packages
+    # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
+    tensorboard = logs.TensorBoard(out_dir, cfg, resumed, lr, active=rank == 0)  # first: --log-to's packages
     processes.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
     logs.announce(cfg, task, info, tensorboard.moved)
     logs.describe_run(cfg, model, (device, amp_dtype), lr, total_steps)

@@ -21,7 +21,7 @@ import tomllib
 
 OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --resume (it must be there), auto
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes; off: eager
-LOGS = ("tensorboard", "csv", "wandb", "mlflow")  # --log: where a run's points go (machinery/trackers.py)
+LOGS = ("tensorboard", "csv", "wandb", "mlflow")  # --log-to: where a run's points go (machinery/trackers.py)
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
@@ -125,9 +125,9 @@ class Config:
                            "the step); off: eager", choices=COMPILE_MODES)
     seed: int = setting(0, "for weights, data order and augmentation (torch, numpy and Python's random)",
                         limits="in [0, 2**32)")
-    log: str = setting("tensorboard,csv", "where a run's points, pictures and summary go: a comma list of "
+    log_to: str = setting("tensorboard,csv", "where a run's points, pictures and summary go: a comma list of "
                        "tensorboard, csv (metrics.csv), wandb, mlflow")
-    log_model: bool = setting(False, "--log wandb or mlflow: best.pt as an artifact of the run, at its end")
+    log_model: bool = setting(False, "--log-to wandb or mlflow: best.pt as an artifact of the run")
     deterministic: bool = setting(False, "repeatable bit for bit on a GPU too: deterministic kernels only, "
                                   "no cuDNN autotuning, no TF32 (slower; CPU runs already repeat)")
     dist_timeout: float = setting(60.0, "torchrun: minutes a process waits for the others before the job "
@@ -242,8 +242,8 @@ def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> 
         raise UserError(f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})")
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:
         raise UserError("warmup_epochs does not apply to onecycle; its warm phase is pct_start")
-    if unknown := [name for name in cfg.log.split(",") if name not in LOGS]:
-        raise UserError(f"unknown --log {unknown[0]!r}{_suggest(unknown[0], LOGS)}: a comma list of "
+    if unknown := [name for name in cfg.log_to.split(",") if name not in LOGS]:
+        raise UserError(f"unknown --log-to {unknown[0]!r}{_suggest(unknown[0], LOGS)}: a comma list of "
                         f"{', '.join(LOGS)}")
     if cfg.schedule == "warmup" and not cfg.warmup_epochs:
         raise UserError("the warmup schedule needs --warmup-epochs > 0 (e.g. --warmup-epochs 1); "

@@ -27,7 +27,7 @@ from machinery.pictures import write_png_atomic
 
 
 class TensorBoard(contextlib.AbstractContextManager):
-    """Rank 0's logs of a train.py run, as --log names them (with active False, on the other ranks, every
+    """Rank 0's logs of a train.py run, as --log-to names them (with active False, on the other ranks, every
     call does nothing): TensorBoard's writer, metrics.csv, and W&B or MLflow (machinery/trackers.py), all
     fed from here, the same points at the same log points. A failed write, here or in the writer's thread,
     is one UserError line naming out_dir; on any error the files are closed quietly, keeping the curves
@@ -44,7 +44,7 @@ class TensorBoard(contextlib.AbstractContextManager):
         resumed run (`resumed`: checkpoints.Resumed) tells TensorBoard to drop what the interrupted process
         logged after its checkpoint (purge_step), which it logs again, and continues its trackers' runs."""
         self.out_dir, self.writer, self.moved, self.points, self.csv = out_dir, None, None, [], None
-        self.active, self.trackers, names = active, {}, cfg.log.split(",")
+        self.active, self.trackers, names = active, {}, cfg.log_to.split(",")
         if not active:
             return
         trackers.check_installed([name for name in names if name in trackers.OPENERS])  # before any file

@@ -1,5 +1,5 @@
-"""The optional experiment trackers of --log: W&B and MLflow, fed by logs.TensorBoard the points, pictures and
-summary TensorBoard gets, on rank 0. Each is imported only when named; its run id is kept in the
+"""The optional experiment trackers of --log-to: W&B and MLflow, fed by logs.TensorBoard the points,
+pictures and summary TensorBoard gets, on rank 0. Each is imported only when named; its run id is kept in the
 checkpoint, so a resume, `--resume auto` and a torchrun restart continue the same run, and points at or
 below the step it last logged are not logged again (a resumed run logs its steps past the checkpoint anew).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from configs import UserError
 
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow-skinny"}  # --log's trackers, and what pip installs
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow-skinny"}  # --log-to's trackers, and what pip installs
 PROJECT = "torch-template"  # W&B's project, MLflow's experiment, unless WANDB_PROJECT says otherwise
 
 
@@ -34,7 +34,7 @@ class Tracker:
 
 
 def check_installed(names: list[str]) -> None:
-    """Each tracker named in --log can be imported: else one line, before the run writes anything."""
+    """Each tracker named in --log-to can be imported: else one line, before the run writes anything."""
     for name in names:
         try:
             if name == "wandb":
@@ -42,8 +42,8 @@ def check_installed(names: list[str]) -> None:
             else:
                 from mlflow.tracking import MlflowClient  # noqa: F401
         except ImportError:
-            raise UserError(f"--log {name}: the {name} package is not installed; pip install "
-                            f"{PACKAGES[name]}, or leave {name} out of --log") from None
+            raise UserError(f"--log-to {name}: the {name} package is not installed; pip install "
+                            f"{PACKAGES[name]}, or leave {name} out of --log-to") from None
 
 
 def open_wandb(out_dir: Path, config: dict, run_id: str | None, log_model: bool) -> Tracker:
@@ -129,4 +129,4 @@ def open_mlflow(out_dir: Path, config: dict, run_id: str | None, log_model: bool
     return Tracker(run_id, scalars, images, finish, lambda: client.set_terminated(run_id, "KILLED"))
 
 
-OPENERS = {"wandb": open_wandb, "mlflow": open_mlflow}  # --log's trackers beside tensorboard and csv
+OPENERS = {"wandb": open_wandb, "mlflow": open_mlflow}  # --log-to's trackers beside tensorboard and csv

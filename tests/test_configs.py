@@ -32,7 +32,7 @@ def other_value(name: str, default):
     """A valid value for field `name` that is not its default, as a command-line string."""
     if name in CHOICES:
         return next(choice for choice in CHOICES[name] if choice != default)
-    if name == "log":  # a comma list of LOGS
+    if name == "log_to":  # a comma list of LOGS
         return "tensorboard"
     if isinstance(default, int):
         return str(default + 1)

@@ -35,8 +35,6 @@ MARKED = {
         "python -m bench.lr_find_rules": "slow",
         "python -m bench.lr_find_rules --seeds 32": "slow",
         "bash tests/mutation.sh": "slow",
-        "python -m bench.speed --device cpu": "slow",
-        "python -m bench.speed --device cuda": "needs a GPU",
     },
     "docs/lr_find.md": {
         "python -m bench.lr_find_rules": "slow",
@@ -61,10 +59,10 @@ MARKED = {
         "torchrun --standalone --nproc_per_node=4 --max-restarts=3 train.py --config configs/cifar10.toml "
         "--out-dir runs/c10 --resume auto": "needs GPUs",
         "pip install wandb mlflow-skinny": "downloads",
-        "python train.py --log tensorboard,csv,wandb": "downloads",
-        "WANDB_MODE=offline python train.py --log wandb --out-dir runs/w": "slow",
+        "python train.py --log-to tensorboard,csv,wandb": "downloads",
+        "WANDB_MODE=offline python train.py --log-to wandb --out-dir runs/w": "slow",
         "wandb sync runs/w/wandb/offline-run-*": "downloads",
-        "python train.py --log mlflow --out-dir runs/m": "slow",
+        "python train.py --log-to mlflow --out-dir runs/m": "slow",
         "mlflow ui --backend-store-uri sqlite:///runs/mlflow.db": "runs until stopped",
     },
     "docs/your_data.md": {

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import LAUNCH, ROOT, TORCHRUN
 from test_resume import assert_same_state, final_state
 from test_work_kept import interrupt
@@ -46,8 +47,8 @@ def workers(agent: int) -> dict[int, int]:
 
 def started(command: list[str], out_dir: Path, **options) -> subprocess.Popen:
     """A torchrun command, once its first last.pt is on disk."""
-    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **options)
+    proc = subprocess.Popen(command, cwd=ROOT, env=options.pop("env", ENV), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **options)
     deadline = time.monotonic() + 120
     while not (out_dir / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -147,3 +148,20 @@ def test_the_slurm_script_in_the_docs_runs_one_command_for_every_start():
     assert "--max-restarts=3" in words and words[words.index("train.py") + 1:][-2:] == ["--resume", "auto"]
     given = parse_given(words[words.index("train.py") + 1:])
     assert given["resume"] == "auto" and given["out_dir"] == "runs/c10"
+
+
+def test_a_torchrun_restart_continues_the_same_wandb_run_from_rank_0_alone(tmp_path):
+    """Issue 43: --log-to wandb under torchrun: rank 0 alone opens a W&B run (offline here), and after a
+    kill -9 of rank 1 and torchrun's restart, the same command continues that run: one run id, kept in
+    last.pt. (The flag is --log-to, not --log: torchrun's parser reads --log, even after train.py, as an
+    ambiguous abbreviation of its own --log-dir and --log-line-prefix-template.)"""
+    pytest.importorskip("wandb")
+    command = [*ELASTIC, "--standalone", "--nproc_per_node=2", "--max-restarts=1", *LAUNCH[1:], "train.py",
+               *RUN, "--log-to", "tensorboard,csv,wandb", "--resume", "auto", "--out-dir", str(tmp_path)]
+    proc = started(command, tmp_path, env={**ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0 and "resumed from" in out, err[-3000:]
+    run_id = torch.load(tmp_path / "last.pt", weights_only=True)["trackers"]["wandb"]
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs  # one per start

@@ -60,11 +60,11 @@ def train_reads_per_step(tmp_path, flags: list[str], device: str = "cpu") -> flo
     return per_step(run)
 
 
-ALL_LOGS = ["--log", "tensorboard,csv,wandb,mlflow"]  # issue 43: the trackers add no per-step work
+ALL_LOGS = ["--log-to", "tensorboard,csv,wandb,mlflow"]  # issue 43: the trackers add no per-step work
 
 
 def offline_trackers(monkeypatch) -> None:
-    """W&B offline and MLflow on SQLite beside the runs, for tests that log to all of --log's trackers."""
+    """W&B offline and MLflow on SQLite beside the runs, for tests that log to all of --log-to's trackers."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     monkeypatch.setenv("WANDB_MODE", "offline")

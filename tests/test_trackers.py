@@ -1,4 +1,4 @@
-"""Issue 43: --log's trackers. An unknown name or a missing package is one line with nothing written;
+"""Issue 43: --log-to's trackers. An unknown name or a missing package is one line with nothing written;
 W&B (offline) keeps one run across a SIGTERM and --resume; MLflow (on SQLite, read back with MlflowClient)
 keeps one run whose points are each there once, with the lr as a parameter."""
 
@@ -18,11 +18,12 @@ from machinery import checkpoints
 
 def test_an_unknown_tracker_or_a_missing_package_is_one_line_with_nothing_written(tmp_path, monkeypatch,
                                                                                   capsys):
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log", "tensorbord", "--out-dir", tmp_path / "a")
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log-to", "tensorbord", "--out-dir",
+                              tmp_path / "a")
     line = assert_one_line_failure(code, out, err)
-    assert "unknown --log 'tensorbord'; did you mean 'tensorboard'?" in line
+    assert "unknown --log-to 'tensorbord'; did you mean 'tensorboard'?" in line
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: its import fails
-    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log", "tensorboard,wandb", "--out-dir",
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log-to", "tensorboard,wandb", "--out-dir",
                               tmp_path / "b")
     assert "the wandb package is not installed; pip install wandb" in assert_one_line_failure(code, out, err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -31,7 +32,7 @@ def test_an_unknown_tracker_or_a_missing_package_is_one_line_with_nothing_writte
 def test_wandb_offline_keeps_one_run_across_a_sigterm_and_resume(tmp_path):
     pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    argv = [*TINY, "--epochs", "30", "--save-every", "3", "--log", "tensorboard,csv,wandb"]
+    argv = [*TINY, "--epochs", "30", "--save-every", "3", "--log-to", "tensorboard,csv,wandb"]
     stopped = interrupt(argv, tmp_path, signal.SIGTERM, env=env)
     assert stopped.returncode == 128 + signal.SIGTERM and stopped.stderr == "", stopped.stderr[-2000:]
     first = checkpoints.load_checkpoint(tmp_path / "last.pt")["trackers"]["wandb"]
@@ -48,7 +49,7 @@ def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "runs" / "x"
-    argv = [*TINY, "--epochs", "2", "--log-every", "1", "--save-every", "3", "--log", "mlflow",
+    argv = [*TINY, "--epochs", "2", "--log-every", "1", "--save-every", "3", "--log-to", "mlflow",
             "--out-dir", str(out)]
     with crash_at_step(monkeypatch, 6):  # last.pt at step 3; MLflow has points of steps 4 and 5
         train.train(parse_config(argv))
