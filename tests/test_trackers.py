@@ -36,7 +36,7 @@ def test_wandb_offline_keeps_one_run_across_a_sigterm_and_resume(tmp_path):
     stopped = interrupt(argv, tmp_path, signal.SIGTERM, env=env)
     assert stopped.returncode == 128 + signal.SIGTERM and stopped.stderr == "", stopped.stderr[-2000:]
     first = checkpoints.load_checkpoint(tmp_path / "last.pt")["trackers"]["wandb"]
-    done = run_script("train.py", "--resume", "--out-dir", str(tmp_path), env=env)
+    done = run_script("train.py", "--resume", "--out-dir", str(tmp_path), "--log-model", env=env)
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["trackers"] == {"wandb": first}
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
@@ -50,7 +50,7 @@ def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "runs" / "x"
     argv = [*TINY, "--epochs", "2", "--log-every", "1", "--save-every", "3", "--log-to", "mlflow",
-            "--out-dir", str(out)]
+            "--log-model", "--out-dir", str(out)]
     with crash_at_step(monkeypatch, 6):  # last.pt at step 3; MLflow has points of steps 4 and 5
         train.train(parse_config(argv))
     given = parse_given(["--resume", "--out-dir", str(out)])
@@ -66,4 +66,6 @@ def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [4, 8]
     assert client.get_metric_history(run.info.run_id, "val/acc")[-1].value == summary["val_acc"]
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
-    assert list((tmp_path / "runs" / "mlruns").rglob("summary.json")) and not (ROOT / "mlruns").exists()
+    artifacts = {p.name: p for p in (tmp_path / "runs" / "mlruns").rglob("*") if p.is_file()}
+    assert {"summary.json", "config.json", "best.pt"} <= set(artifacts) and not (ROOT / "mlruns").exists()
+    assert artifacts["best.pt"].read_bytes() == (out / "best.pt").read_bytes()
