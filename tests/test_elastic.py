@@ -165,3 +165,17 @@ def test_a_torchrun_restart_continues_the_same_wandb_run_from_rank_0_alone(tmp_p
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["trackers"]["wandb"]
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs  # one per start
+
+
+def test_a_worker_lost_in_the_test_pass_is_restarted_and_the_run_finishes(tmp_path):
+    """Issue 41.3: kill -9 of rank 1 in the test pass (after the last save) under --max-restarts 1: the
+    restart's --resume auto finds every step in last.pt but no summary, and finishes the run: the test
+    pass through best.pt and summary.json (it said "complete run: nothing to do" and wrote none)."""
+    command = [*ELASTIC, "--standalone", "--nproc_per_node=2", "--max-restarts=1", *LAUNCH[1:], "--task",
+               "dies_in_test", "train.py", *RUN, "--resume", "auto", "--out-dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the test pass and summary.json next" in result.stdout, result.stdout[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 24 and "test_acc" in summary and summary["world_size"] == 2
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
