@@ -263,7 +263,7 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def compile_model(model: nn.Module, mode: str, device: torch.device) -> str | None:
+def compile_model(model: nn.Module, mode: str, device: torch.device, accum_steps: int) -> str | None:
     """--compile MODE: torch.compile the model in place (Module.compile: its state_dict keys stay the plain
     module's, and it stays the one module a run trains, saves and evaluates). reduce-overhead adds CUDA
     graphs, which need a CUDA device: elsewhere the default mode runs, and the line returned says so."""
@@ -274,5 +274,16 @@ def compile_model(model: nn.Module, mode: str, device: torch.device) -> str | No
         said = (f"--compile reduce-overhead: CUDA graphs need a CUDA device; on {device.type}, "
                 "torch.compile's default mode runs instead")
         mode = "default"
+    elif keeps_gradients(mode, device, accum_steps):
+        # A graph's backward writes each gradient into a buffer it reuses; where p.grad is None, autograd
+        # takes that buffer as p.grad and the next micro-batch's replay overwrites it (pytorch#169545).
+        # Gradients that exist are added to instead: made here once, zeroed (not freed) after each step.
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
     model.compile(mode=mode)
     return said
+
+
+def keeps_gradients(mode: str, device: torch.device, accum_steps: int) -> bool:
+    """Whether the loop zeroes gradients rather than freeing them (see compile_model)."""
+    return mode == "reduce-overhead" and device.type == "cuda" and accum_steps > 1

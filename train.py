@@ -34,6 +34,7 @@ from models import (
     build_optimizer,
     compile_model,
     input_needs,
+    keeps_gradients,
 )
 from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
@@ -93,7 +94,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     progress = Progress(**checkpoints.restore(resumed, info, cfg.epochs, model=model, optimizer=optimizer,
                                               scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
                         ) if resumed else Progress()
-    info.notes.append(compile_model(model, cfg.compile, device))  # in place: --compile MODE, or nothing
+    info.notes.append(compile_model(model, cfg.compile, device, cfg.accum_steps))  # in place: --compile
     ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
 
     # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
@@ -147,7 +148,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
                     progress.averaged += 1
                     ema.update(progress.averaged)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not keeps_gradients(cfg.compile, device, cfg.accum_steps))
                 progress.step, progress.batch = progress.step + 1, progress.batch + len(window)
 
                 # Log points (every log_every steps, and the epoch's last) are the only place the loop

@@ -207,6 +207,8 @@ def measure_loop(device_name: str, device: torch.device, epochs: int, repeats: i
             trained.append(train_rate(cfg))
             if device.type == "cuda":  # train.py --compile reduce-overhead (CUDA graphs), the same setup
                 cfg.out_dir, cfg.compile = str(Path(tmp) / f"graphed{r}"), "reduce-overhead"
+                torch.compiler.reset()  # each repeat compiles afresh, as a new process would, never
+                # reaching torch.compile's recompile limit (past it, torch 2.11 ran the model eager)
                 graphed.append(train_rate(cfg))
                 cfg.compile = "off"
             seconds, iters = lr_find_seconds(cfg, device, lr_find_iters)

@@ -25,7 +25,7 @@ from test_gpu_contract import (
 from test_sync import fused_step_reads_per_step, sweep_reads_per_step, train_reads_per_step
 
 import train
-from configs import parse_config
+from configs import Config, parse_config, parse_given
 from machinery import checkpoints
 from models import fused_by_default
 
@@ -78,9 +78,9 @@ def test_fused_kernels_survive_skipped_fp16_steps(name):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_fp16_loop_skips_overflowing_steps_without_moving_the_schedule(tmp_path, monkeypatch, optimizer):
     """train.train with an initial scale so high that the first steps overflow and are skipped."""
-    models = keep_built(monkeypatch, train, "build_model")
+    built = keep_built(monkeypatch, train, "build_model")
     schedulers = keep_built(monkeypatch, train, "make_scheduler")
-    scalers, real_amp = [], models.amp_setup
+    scalers, real_amp = [], train.amp_setup
 
     def high_scale(device, mode):
         dtype, _ = real_amp(device, mode)
@@ -93,7 +93,7 @@ def test_fp16_loop_skips_overflowing_steps_without_moving_the_schedule(tmp_path,
     skipped = round(math.log2(2.0**24 / scalers[0].get_scale()))  # no growth within 2000 steps
     assert 1 <= skipped < summary["steps"] == 16
     assert schedulers[0][0].last_epoch == summary["steps"] - skipped
-    assert all(torch.isfinite(p).all() for p in models[0].parameters())
+    assert all(torch.isfinite(p).all() for p in built[0].parameters())
     assert math.isfinite(summary["val_loss"])
 
 
@@ -238,7 +238,8 @@ def test_compile_reduce_overhead_resumes_where_it_stopped(tmp_path, monkeypatch)
     train.train(parse_config([*graphed, "--out-dir", str(straight)]))
     with crash_at_step(monkeypatch, 7):
         train.train(parse_config([*graphed, "--out-dir", str(broken)]))
-    train.train(parse_config(["--resume", "--out-dir", str(broken)]))
+    given = parse_given(["--resume", "--out-dir", str(broken)])
+    train.train(Config(**given), given)
     assert close(final_weights(broken), final_weights(straight), tol=1e-3)
 
 

@@ -162,6 +162,22 @@ def test_channels_last_and_autocast_dtype(tmp_path, monkeypatch):
     check_channels_last_and_autocast(tmp_path, monkeypatch, "cpu", "bf16", torch.bfloat16)
 
 
+@pytest.mark.parametrize("mode, device, accum, kept", [
+    ("reduce-overhead", "cuda", 2, True), ("reduce-overhead", "cuda", 1, False),
+    ("reduce-overhead", "cpu", 2, False), ("default", "cuda", 2, False)])
+def test_cuda_graphs_under_accumulation_add_to_gradients_that_exist(mode, device, accum, kept):
+    """--compile reduce-overhead with --accum-steps > 1 (pytorch#169545): gradients exist before the first
+    micro-batch, so autograd adds to them instead of taking a graph's reused buffer, and the loop zeroes
+    rather than frees them. Checked on CUDA end to end by tests/test_cuda.py."""
+    model = build_model(parse_config(["--model", "resnet_small", "--width", "4"]), channels=1, num_outputs=3)
+    model.fc = nn.Linear(2, 2).requires_grad_(False)  # frozen: no gradient made
+    models.compile_model(model, mode, torch.device(device), accum)  # torch.compile is lazy: no CUDA needed
+    assert models.keeps_gradients(mode, torch.device(device), accum) == kept
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert all((p.grad is not None and not p.grad.any()) == kept for p in trained)
+    assert model.fc.weight.grad is None
+
+
 def check_dataloader_path(monkeypatch, device: str):
     """One DataLoader with persistent workers for every epoch, pinned batches on CUDA, and the
     very batches the device-resident path serves, augmentation included."""
