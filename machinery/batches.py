@@ -1,8 +1,9 @@
 """Batches of (inputs, targets) on the training device, for each split of a dataset entry's Source.
 
 Tensors that fit stay on the device and are served in whole batches (airbench-style); files are read by
-DataLoader workers. uint8 [N, C, H, W] inputs are images: crop and flip, normalization from 0..255,
-channels_last and resizing to a model's size, in whole batches on the device. Each epoch's order and
+DataLoader workers. Inputs are a tensor, or a tuple or dict of tensors (machinery/inputs.py); each uint8
+[N, C, H, W] one is an image: crop and flip, normalization from 0..255, channels_last and resizing to a
+model's size, in whole batches on the device (machinery/image_steps.py). Each epoch's order and
 augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from configs import Config, UserError
 from machinery.contract import IGNORE_INDEX, Targets, as_taken, check_splits
+from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note
+from machinery.inputs import Examples, described, each, members, named, rows, take, total_bytes
 from machinery.signals import worker_init
 
 DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
@@ -37,7 +40,7 @@ class UnreadableImage(UserError):
 @dataclass
 class DataInfo:
     input_shape: tuple[int, ...]  # one example as the model gets it, (1, 8, 8) or (1, 256): [0] are channels
-    input_dtype: torch.dtype  # as the model gets it: float32 for images
+    input_dtype: torch.dtype  # as the model gets it: float32 for images (several inputs: the first one's)
     names: list[str]  # one per model output: len(names) outputs
     class_counts: torch.Tensor | None  # training examples (pixels) per class on the device; None: not classes
     train_size: int
@@ -49,6 +52,7 @@ class DataInfo:
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
     batches: int = 0  # this process's training batches per epoch
     files: dict[str, str] | None = None  # file datasets: each split's list, hashed (data.Source.files)
+    members: str | None = None  # several inputs: each one's shape and dtype ("[3, 8, 8] uint8 + [12] int64")
 
     def sizes(self) -> dict:
         return {"train_size": self.train_size, "val_size": self.val_size, "test_size": self.test_size}
@@ -61,19 +65,8 @@ class DataInfo:
     def inputs_record(self) -> dict:
         """What a checkpoint records of the inputs: evaluate.py (--predict, load_trained) reads it."""
         dtype = str(self.input_dtype).removeprefix("torch.")
-        return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading}
-
-
-@dataclass
-class ImageSteps:
-    """What image batches get on the device: crop and flip (training only), then normalization."""
-
-    mean: torch.Tensor  # per channel, in [0, 1]
-    std: torch.Tensor
-    pad: int = 0
-    flip: bool = False
-    channels_last: bool = False
-    resize: int = 0  # square size a model needs (a ViT, say); 0 keeps the images' own
+        return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading,
+                **({"members": self.members} if self.members else {})}
 
 
 def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
@@ -96,24 +89,6 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
     return order[mine], offsets[mine], flips[mine]
 
 
-def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
-            fill: int = 0) -> torch.Tensor:
-    """Random crop after padding with `fill`, then flip, for a batch [N, C, H, W] (or per-pixel targets
-    [N, H, W]): one gather of each pixel's flat index in its padded image (flips read columns backwards),
-    ~5x faster than 4-D indexing; no device reads."""
-    if images.ndim == 3:
-        return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
-    n, c, h, w = images.shape
-    padded_h, padded_w = h + 2 * pad, w + 2 * pad
-    padded = F.pad(images, (pad, pad, pad, pad), value=fill).reshape(n, -1)
-    span = torch.arange(w, device=images.device)
-    cols = offsets[:, 1, None] + torch.where(flips[:, None], span.flip(0), span)
-    rows = (offsets[:, 0, None] + torch.arange(h, device=images.device)) * padded_w
-    planes = torch.arange(c, device=images.device) * (padded_h * padded_w)
-    index = planes[None, :, None, None] + rows[:, None, :, None] + cols[:, None, None, :]
-    return padded.gather(1, index.reshape(n, -1)).reshape(n, c, h, w)
-
-
 @dataclass(frozen=True)
 class Serving:
     """How a split's batches are served: the same for the training and the validation split."""
@@ -128,19 +103,24 @@ class Serving:
 
 class Batches:
     """A split's batches, from tensors on the device or a DataLoader: `epoch(e, start)` yields this rank's
-    batches of epoch e from `start` (training drops a partial last one); no `image`: inputs pass as is.
+    batches of epoch e from `start` (training drops a partial last one). `image`: the steps of the image
+    inputs (one ImageSteps, or {member's key: ImageSteps} for several inputs); the others pass as they are.
     `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
 
     def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
-                 image: ImageSteps | None = None, targets: Targets | None = None,
+                 image: ImageSteps | dict | None = None, targets: Targets | None = None,
                  class_ids: torch.Tensor | None = None):
-        self.source, self.labels, self.serving, self.train, self.image = source, labels, serving, train, image
+        self.source, self.labels, self.serving, self.train = source, labels, serving, train
         self.targets, self.class_ids, self.device = targets, class_ids, serving.device
-        self.on_device, self.num_examples = isinstance(source, torch.Tensor), len(source)
+        self.images = image if isinstance(image, dict) else {} if image is None else {None: image}
+        self.image = next(iter(self.images.values()), None)  # the first image's: pad and flip are all's
+        self.on_device = not isinstance(source, torch.utils.data.Dataset)  # else: read by workers
+        self.num_examples = rows(source) if self.on_device else len(source)
         self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
-        if image is not None:
-            self.scale = (1 / (255 * image.std)).view(1, -1, 1, 1).to(self.device)
-            self.shift = (image.mean / image.std).view(1, -1, 1, 1).to(self.device)
+        self.scale, self.shift = {}, {}  # per image input, per channel: x * scale - shift normalizes
+        for key, steps in self.images.items():
+            self.scale[key] = (1 / (255 * steps.std)).view(1, -1, 1, 1).to(self.device)
+            self.shift[key] = (steps.mean / steps.std).view(1, -1, 1, 1).to(self.device)
 
     @property
     def to_pixels(self):  # a function: a batch as the model gets it back to images in [0, 1], to look at.
@@ -163,7 +143,7 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        batch = ((self.source[:n], self.labels[:n]) if self.on_device else
+        batch = ((take(self.source, slice(0, n)), self.labels[:n]) if self.on_device else
                  torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
         return self._prepared(*batch)
 
@@ -182,12 +162,13 @@ class Batches:
         else:  # in order, each rank its shard
             order = torch.arange(s.rank, self.num_examples, s.world_size)
         if self.on_device:
-            raw = ((self.source[idx], self.labels[idx]) for idx in order.to(self.device).split(bs)[start:])
+            plan = order.to(self.device).split(bs)[start:]
+            raw = ((take(self.source, idx), self.labels[idx]) for idx in plan)
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         try:
             for i, (inputs, targets) in enumerate(raw, start):
-                window = slice(i * bs, i * bs + len(inputs))
+                window = slice(i * bs, i * bs + rows(inputs))
                 crops = (offsets[window], flips[window]) if pad or flip else None
                 yield self._prepared(inputs, targets, crops)
         except Exception as err:  # the loader's frames in its traceback would keep its workers alive
@@ -196,23 +177,28 @@ class Batches:
         finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
             del raw
 
-    def _prepared(self, inputs: torch.Tensor, targets: torch.Tensor, crops=None):
+    def _prepared(self, inputs, targets: torch.Tensor, crops=None):
         """A batch on the device as the model and the task take it: training images cropped and flipped by
-        `crops` ((offsets, flips); dense targets with them), then normalized."""
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in (inputs, targets))
+        `crops` ((offsets, flips); dense targets with them), then normalized; floating inputs as float32."""
+        targets = targets.to(self.device, non_blocking=True)
         if self.targets is not None:
             targets = as_taken(targets, self.targets.kind)
-        if self.image is None:
-            return (inputs.float() if inputs.is_floating_point() else inputs), targets
+        if crops is not None and self.targets is not None and self.targets.dense:
+            targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
+        inputs = each(lambda key, x: self._input(key, x.to(self.device, non_blocking=True), crops), inputs)
+        return inputs, targets
+
+    def _input(self, key, x: torch.Tensor, crops) -> torch.Tensor:
+        steps = self.images.get(key)
+        if steps is None:  # not an image
+            return x.float() if x.is_floating_point() else x
         if crops is not None:
-            inputs = augment(inputs, *crops, self.image.pad)
-            if self.targets is not None and self.targets.dense:
-                targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
-        memory = torch.channels_last if self.image.channels_last else torch.contiguous_format
-        x = inputs.to(dtype=torch.float32, memory_format=memory)
-        if self.image.resize:
-            x = F.interpolate(x, (self.image.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
-        return x.mul_(self.scale).sub_(self.shift), targets
+            x = augment(x, *crops, steps.pad)
+        memory = torch.channels_last if steps.channels_last else torch.contiguous_format
+        x = x.to(dtype=torch.float32, memory_format=memory)
+        if steps.resize:
+            x = F.interpolate(x, (steps.resize,) * 2, mode="bilinear").contiguous(memory_format=memory)
+        return x.mul_(self.scale[key]).sub_(self.shift[key])
 
     def _from_workers(self, indices: list[int]):
         """One DataLoader for all epochs (its workers start once), its order set for each pass; its own
@@ -228,9 +214,10 @@ class Batches:
         self._order[:] = indices
         return iter(self._loader)
 
-    def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Image batches as the model receives them back to pixel values in [0, 1], to look at."""
-        return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
+    def denormalize(self, inputs) -> torch.Tensor:
+        """A batch's (first) image input as the model gets it, back to pixel values in [0, 1], to look at."""
+        key = next(iter(self.images))
+        return ((members(inputs)[key].float() + self.shift[key]) / self.scale[key] / 255).clamp_(0, 1)
 
 
 @dataclass
@@ -265,34 +252,32 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
                                                       ("test", source.test)) if examples is not None}
     for split, examples in splits.items():
-        if len(examples[0] if isinstance(examples, tuple) else examples) == 0:
+        if (rows(examples[0]) if isinstance(examples, tuple) else len(examples)) == 0:
             skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
             raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
                             "dataset entry in data.py, or the files in --data-dir)")
-    files, sample = not isinstance(source.train, tuple), source.train[0][0]  # the first input (or file)
-    shape, images = tuple(sample.shape), sample.dtype == torch.uint8 and sample.ndim == 3
+    files = not isinstance(source.train, tuple)  # a Dataset (files, say), read by workers
+    sample = source.train[0][0] if files else take(source.train[0], 0)  # the first example's inputs
+    parts = members(sample)
+    keys = [key for key, t in parts.items() if t.dtype == torch.uint8 and t.ndim == 3]  # the image inputs
+    if needs.size and keys != [None]:
+        raise UserError(f"{cfg.model} is a torchvision image model, which takes one image tensor, and "
+                        f"{cfg.dataset}'s inputs are {described(sample)}; add a model of yours to MODELS in "
+                        "models.py")
+    size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
+    spec, checked = check_splits(splits, list(source.names), targets, size)
     notes = list(source.notes)
-    if not images and needs.size:
-        raise UserError(f"{cfg.model} is a torchvision image model, and {cfg.dataset}'s inputs are "
-                        f"{list(shape)} {sample.dtype} tensors; add a model of yours to MODELS in models.py")
-    spec, checked = check_splits(splits, list(source.names), targets, shape[-2:] if images else None)
-    image, resize, (channels, size) = None, 0, (shape[0], shape[-1])
-    if images:
-        if source.stats is None:  # the training images' own statistics
-            x = source.train[0].float().div_(255).transpose(0, 1).reshape(channels, -1)
-            source.stats = x.mean(1), x.std(1).clamp_min(1e-3)
-        resize, mean, std = _fit_images(cfg, needs, (channels, size), source.stats, notes)  # the model's asks
-        flip = source.flip and cfg.flip and cfg.augment
-        image = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
-        notes.append(_image_steps(image, spec, cfg))
-    elif (source.pad or source.flip) and cfg.augment:  # clips [C, T, H, W], say: which axes would it crop?
+    image, reading = _image_inputs(cfg, source, {key: parts[key] for key in keys}, (spec, needs), notes)
+    others = {key: t for key, t in parts.items() if key not in keys}
+    if not keys and (source.pad or source.flip) and cfg.augment:  # clips [C, T, H, W]: which axes to crop?
         raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
-                        f"{source.flip}), and its inputs are {list(shape)} {sample.dtype} tensors, not uint8 "
+                        f"{source.flip}), and its inputs are {described(sample)} tensors, not uint8 "
                         "[C, H, W] images: the template does not know which axes to crop; set pad=0 and "
                         "flip=False in its Source (augment in the dataset), or pass --no-augment")
-    else:
-        notes.append(f"the inputs are {list(shape)} {sample.dtype} tensors, not uint8 images: no crop, flip, "
-                     "normalization or channels_last")
+    if others:
+        what = "the inputs are" if len(parts) == 1 else f"{', '.join(map(named, others))}:"
+        notes.append(f"{what} {described(others)} tensors, not uint8 images: no crop, flip, normalization or "
+                     "channels_last")
     notes.append(checked)
     if cfg.balance_classes and spec.class_ids is None:
         raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
@@ -302,51 +287,63 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
         raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
     if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-        needed = 0 if files else sum(t.nbytes for split in splits.values() for t in split)
+        needed = 0 if files else sum(total_bytes(x) + y.nbytes for x, y in splits.values())
         mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
     serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
     served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
     for split, pair in splits.items():
-        held = ([t.to(device) for t in pair] if mode == "device" else
-                (pair if files else torch.utils.data.TensorDataset(*pair), None))
+        held = ((each(lambda _, t: t.to(device), pair[0]), pair[1].to(device)) if mode == "device" else
+                (pair if files else Examples(*pair), None))
         served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
                                 class_ids=spec.class_ids if cfg.balance_classes else None)
     if mode == "dataloader":
-        check_shared_memory(sample.nbytes * cfg.batch_size // world_size, cfg.num_workers, notes)
+        check_shared_memory(total_bytes(sample) * cfg.batch_size // world_size, cfg.num_workers, notes)
     if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({served['train'].num_examples}); lower --batch-size")
     loader = (f"device-resident tensors on {device.type}" if mode == "device"
               else f"DataLoader with {cfg.num_workers} workers")
-    reading = image and {"size": size, "resize": resize, "channels": channels, "mean": image.mean.tolist(),
-                         "std": image.std.tolist()}
-    info = DataInfo(batches=len(served["train"]), input_shape=(shape[0], resize, resize) if resize else shape,
-                    input_dtype=torch.float32 if images or sample.is_floating_point() else sample.dtype,
-                    names=list(source.names), loader=loader, images=images, notes=notes, reading=reading,
-                    files=source.files,
+    key, x = next(iter(parts.items()))  # the one input, or the first of several: the model's channels
+    resize, several = reading["resize"] if reading else 0, described(sample) if len(parts) > 1 else None
+    info = DataInfo(batches=len(served["train"]), input_shape=(x.shape[0], resize, resize) if resize else
+                    tuple(x.shape), input_dtype=torch.float32 if key in keys or x.is_floating_point() else
+                    x.dtype, names=list(source.names), loader=loader, images=bool(keys), notes=notes,
+                    reading=reading, files=source.files, members=several,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info
 
 
-def _image_steps(image: ImageSteps, targets: Targets, cfg: Config) -> str:
-    """Which image steps the training batches get, said at start-up; those per-pixel targets cannot
-    follow are refused."""
-    if targets.dense and image.resize:
-        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
-                        "targets cannot be resized with the images: give the dataset images of that size, or "
-                        "use a model that takes these")
-    if targets.dense and image.pad and targets.kind == "values":
-        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
-                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
-                        "dataset's Source")
-    steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
-        ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
-        else [])
+def _image_inputs(cfg: Config, source, images: dict, fitting: tuple, notes: list[str]) -> tuple:
+    """The steps of the image inputs (`images`: the first example's uint8 [C, H, W] members by key), each
+    normalized with the Source's stats or its own training images' (one ImageSteps for one tensor, a dict
+    for several, None for none), said in `notes`; and, for one image tensor, how it was read (DataInfo's
+    reading: evaluate.py --predict reads files so). `fitting`: the targets' spec, the model's needs."""
+    steps, (spec, needs) = {}, fitting
+    for key, example in images.items():
+        channels, size, stats = example.shape[0], example.shape[-1], source.stats
+        if stats is None and not isinstance(source.train, tuple):
+            raise UserError(f"{cfg.dataset}'s images come from a Dataset: give its Source stats=(mean, std), "
+                            "per channel in [0, 1] (data.py's image_files shows how)")
+        if stats is None:  # the training images' own statistics
+            x = members(source.train[0])[key].float().div_(255).transpose(0, 1).reshape(channels, -1)
+            stats = x.mean(1), x.std(1).clamp_min(1e-3)
+        elif len(stats[0]) != channels:
+            raise UserError(f"{cfg.dataset}'s Source gives stats for {len(stats[0])} channels, and "
+                            f"{named(key)} has {channels}: give one mean and std per channel, or stats=None")
+        resize, mean, std = fit_images(cfg, needs, (channels, size), stats, notes)  # the model's asks
+        flip = source.flip and cfg.flip and cfg.augment
+        steps[key] = ImageSteps(mean, std, source.pad if cfg.augment else 0, flip, cfg.channels_last, resize)
     if not steps:
-        return f"images: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
-    moved = "; the per-pixel targets move with them" if targets.dense else ""
-    return f"images: {' and '.join(steps)} on training batches{moved}"
+        return None, None
+    first = next(iter(steps.values()))
+    which = "" if None in steps else f" ({', '.join(map(named, steps))})"
+    notes.append(image_steps_note(first, spec, cfg, which))
+    if None not in steps:
+        return steps, None  # several inputs: --predict, which reads one image per file, is refused
+    channels, size = images[None].shape[0], images[None].shape[-1]
+    return first, {"size": size, "resize": first.resize, "channels": channels, "mean": first.mean.tolist(),
+                   "std": first.std.tolist()}
 
 
 def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
@@ -364,23 +361,3 @@ def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> Non
         raise UserError(f"{said}; {fix}")
     if free < 2 * need:
         notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
-
-
-def _fit_images(cfg: Config, needs, shape: tuple[int, int], stats: tuple, notes: list[str]
-                ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """The side images of shape (channels, size) are resized to for cfg.model (0: none), and the mean and
-    std they are normalized with (`stats`, or --pretrained weights'); what changed goes into `notes`."""
-    (channels, size), (mean, std), resize = shape, stats, 0
-    if needs.size and (size != needs.size if needs.exact else size < needs.size):
-        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
-        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
-            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
-        resize = needs.size
-        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
-                     f"{resize} on the device")
-    if needs.mean:  # --pretrained: the normalization the weights were trained with
-        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
-        if channels != 3:
-            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
-        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
-    return resize, mean, std

@@ -277,6 +277,9 @@ def load_predictor(path: Path, task) -> dict:
         raise UserError(f"checkpoint {path} records no image preprocessing: it predates --predict or is not "
                         "train.py's; train it again with this version to predict with it")
     check_task(ckpt, path, task, "predict with the task.py it was trained with")
+    if inputs.get("members"):
+        raise UserError(f"--predict reads one image per file, and {path}'s model takes several inputs "
+                        f"({inputs['members']}); run it on your tensors in your own code")
     if inputs["reading"] is None:
         dataset = ckpt["config"].get("dataset")
         raise UserError(f"--predict reads image files (and --tta flip mirrors them), and {path} was trained "

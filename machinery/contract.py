@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from configs import UserError, first_line
+from machinery.inputs import described, members, named
 
 KINDS = ("classes", "values", "any")  # what task.TARGETS may say
 IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
@@ -70,7 +71,7 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
     it holds changes), then through the task's loss: a forward that fails, outputs that do not fit the
     targets, or a loss that is not one number is one line naming them. Returns what was seen."""
     inputs, targets = batches.first(2)
-    given = f"{list(inputs.shape)} {_dtype(inputs)}"
+    given = described(inputs)
     training = model.training
     model.eval()
     try:
@@ -129,8 +130,13 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
     return as_taken(targets, kind)
 
 
-def _check_finite(split: str, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-    for what, t in (("inputs", inputs), ("targets", targets)):
+def _check_finite(split: str, inputs, targets: torch.Tensor) -> None:
+    """Each input tensor (machinery/inputs.py) and the targets: a row per example, finite numbers."""
+    named_tensors = [(named(key), t) for key, t in members(inputs).items()]
+    for what, t in [*named_tensors, ("targets", targets)]:
+        if len(t) != len(targets):
+            raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {len(targets)}: give "
+                            "each input one row per example")
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
             bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value
             raise UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(t)} examples "

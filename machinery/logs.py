@@ -191,8 +191,9 @@ def announce(cfg: Config, task, info, moved: Path | None) -> None:
     """What this run's data is, said once at start-up, with what was checked and changed (`moved`: where
     an earlier run's TensorBoard logs went)."""
     test = "" if info.test_size is None else f" / {info.test_size} test"
-    processes.say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs "
-                  f"{'x'.join(map(str, info.input_shape))}, {len(info.names)} outputs, via {info.loader}")
+    inputs = info.members or "x".join(map(str, info.input_shape))  # several: each one's shape and dtype
+    processes.say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs {inputs}, "
+                  f"{len(info.names)} outputs, via {info.loader}")
     moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
     processes.say(*filter(None, [*info.notes, task.pictures_note(info.images), moved]))
 

@@ -296,3 +296,16 @@ def test_deterministic_settings_and_two_identical_runs(tmp_path):
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_several_inputs_on_cuda(tmp_path, monkeypatch):
+    """An image and a table per example (tests/forks/two_inputs_*.py), as a dict, on the GPU under bf16 and
+    channels_last: the image input is cropped and normalized there, and the run learns what needs both."""
+    from conftest import add_entries
+
+    add_entries(monkeypatch, "two_inputs_data", "two_inputs_model")
+    argv = ["--device", "cuda", "--dataset", "pairs_dict", "--model", "twoinputnet", "--width", "8",
+            "--synthetic-size", "512", "--batch-size", "32", "--epochs", "3", "--lr", "0.05", "--amp", "bf16",
+            "--channels-last", "--out-dir", str(tmp_path)]
+    summary = train.train(parse_config(argv))
+    assert summary["device"].startswith("cuda") and summary["best_val_acc"] > 0.8

@@ -75,6 +75,8 @@ MARKED = {
 
 # Every python block in the pages, by its first line, and the test that runs or checks it.
 PYTHON_BLOCKS = {
+    "class ImageAndTable(nn.Module):  # in models.py, added to MODELS as \"imageandtable\"":
+        "test_several_inputs.py::test_the_docs_model_of_two_inputs_trains",
     "import torch": "test_readme.py::test_own_code_example_runs_with_only_the_two_files_copied",
     "found = lr_find(model, optimizer, None, loader, batch_loss=lambda model, batch: model(**batch).loss)":
         "test_docs.py::test_the_batch_loss_lines_run",

@@ -77,7 +77,7 @@ def test_pretrained_loads_the_local_weights_file_and_swaps_the_head(torch_home, 
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
     assert info.input_shape[1:] == (224, 224) and next(iter(batches))[0].shape == (4, 3, 224, 224)
     assert torch.allclose(batches.denormalize(torch.zeros(1, 3, 1, 1)).flatten(), mean)
-    assert torch.allclose(batches.scale.flatten(), 1 / (255 * std))
+    assert torch.allclose(batches.scale[None].flatten(), 1 / (255 * std))
 
     # and a run trains from them, saying so once
     summary = train.train(parse_config([*folder, "--image-size", "32", "--model", "squeezenet1_1",

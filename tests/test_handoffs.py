@@ -198,8 +198,8 @@ def test_channels_applies_to_image_folders(tmp_path):
     assert info.input_shape[0] == 1
     (x1, _), (x3, _) = next(gray.epoch(0)), next(rgb.epoch(0))
     assert x1.shape == (4, 1, 8, 8) and x3.shape == (4, 3, 8, 8)
-    pixels_gray = x1 / gray.scale + gray.shift / gray.scale  # back to 0..255
-    pixels_rgb = x3 / rgb.scale + rgb.shift / rgb.scale
+    pixels_gray = x1 / gray.scale[None] + gray.shift[None] / gray.scale[None]  # back to 0..255 (None: the
+    pixels_rgb = x3 / rgb.scale[None] + rgb.shift[None] / rgb.scale[None]  # one input's key)
     luma = (pixels_rgb * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
     assert (pixels_gray - luma).abs().max() < 1.0  # PIL's "L": ITU-R 601-2 luma
     with pytest.raises(UserError, match="RGB .--channels 3. or grayscale .--channels 1."):

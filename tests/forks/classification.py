@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from machinery.contract import IGNORE_INDEX
+from machinery.inputs import joined, take
 from machinery.pictures import confusion_picture, image_grid
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
@@ -83,11 +84,11 @@ class Tally:
     def _keep_worst(self, outputs, targets, inputs, predicted) -> None:
         confidence = outputs.softmax(1).amax(1).masked_fill_(predicted == targets, -1.0)  # -1: right
         top = confidence.topk(min(self.keep, len(targets))).indices
-        batch = (confidence[top], inputs[top], targets[top], predicted[top])
-        if self.worst is not None:
-            batch = tuple(torch.cat(pair) for pair in zip(self.worst, batch, strict=True))
+        batch = tuple(take(x, top) for x in (confidence, inputs, targets, predicted))  # inputs: any of
+        if self.worst is not None:  # a tensor or a tuple or dict of them (several inputs)
+            batch = tuple(joined(pair) for pair in zip(self.worst, batch, strict=True))
             top = batch[0].topk(min(self.keep, len(batch[0]))).indices
-            batch = tuple(t[top] for t in batch)
+            batch = tuple(take(x, top) for x in batch)
         self.worst = batch
 
     def result(self, reduce=lambda sums: sums) -> Evaluation:
@@ -128,7 +129,7 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
 # `to_pixels` turns a batch as the model receives it back into [0, 1] images; it is None where the
 # inputs are not images, and the pictures that show inputs are skipped.
 
-def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str], to_pixels):
+def input_picture(inputs, targets: torch.Tensor, names: list[str], to_pixels):
     """A training batch as the model receives it (after crop, flip, resize), each with its label (with
     per-pixel targets, the classes its mask holds)."""
     if to_pixels is None:
@@ -136,7 +137,7 @@ def input_picture(inputs: torch.Tensor, targets: torch.Tensor, names: list[str],
     shown = targets[:INPUTS_SHOWN].cpu()
     captions = [names[t] for t in shown.tolist()] if shown.ndim == 1 else [
         ", ".join(names[c] for c in mask[mask != IGNORE_INDEX].unique().tolist()) for mask in shown]
-    return image_grid(to_pixels(inputs[:INPUTS_SHOWN]).cpu(), captions)
+    return image_grid(to_pixels(inputs)[:INPUTS_SHOWN].cpu(), captions)  # several inputs: the first image
 
 
 def pictures(val: Evaluation, names: list[str], to_pixels) -> dict:
