@@ -79,8 +79,9 @@ class ResNet9(nn.Sequential):
 
 
 # Our own models by name; `--model NAME` builds MODELS[NAME](channels, num_outputs, width, dropout),
-# where channels is the size of the inputs' first dimension ([C, H, W] images, [C, L] signals).
-# To add one, write its class above and add its line here.
+# where channels is the size of the inputs' first dimension ([C, H, W] images, [C, L] signals; of several
+# inputs, a tuple or dict the model unpacks, the first one's). To add one, write its class above and its
+# line here.
 MODELS = {
     "resnet_small": ResNetSmall,
     "resnet9": ResNet9,

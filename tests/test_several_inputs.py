@@ -70,8 +70,8 @@ def test_lr_find_sweeps_several_inputs(tmp_path, monkeypatch):
 def test_several_inputs_accumulate_and_split_over_torchrun_as_one_batch(tmp_path):
     """--accum-steps 2 of 16 and torchrun's 2 gloo processes of 16 end where one batch of 32 ends (the
     model has no BatchNorm, whose statistics are per process)."""
-    argv = ["--entries", ",".join(ENTRIES), "train.py", "--dataset", "pairs", *SMALL, "--synthetic-size",
-            "192", "--epochs", "2", "--lr", "0.05"]
+    argv = ["--entries", ",".join(ENTRIES), "train.py", "--dataset", "pairs", *SMALL, "--epochs", "2", "--lr",
+            "0.05"]  # 288 training examples: 9 batches of 32 an epoch, with none left over
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {"one": [*LAUNCH, *argv],
             "accumulated": [*LAUNCH, *argv, "--batch-size", "16", "--accum-steps", "2"],
@@ -85,7 +85,7 @@ def test_several_inputs_accumulate_and_split_over_torchrun_as_one_batch(tmp_path
     for name in ("accumulated", "two"):
         other = checkpoints.load_checkpoint(tmp_path / name / "last.pt")["model"]
         assert max((one[k] - other[k]).abs().max().item() for k in one) <= 1e-5, name
-    assert [s for s, _ in read_scalars(tmp_path / "two")["train/lr"]] == list(range(1, 13))
+    assert [s for s, _ in read_scalars(tmp_path / "two")["train/lr"]] == list(range(1, 19))
 
 
 def zeros() -> tuple:

@@ -20,8 +20,13 @@ def pair_splits(cfg: Config) -> tuple:
 
 
 def pairs(cfg: Config) -> Source:
-    (a, b, y), (va, vb, vy), (ta, tb, ty) = pair_splits(cfg)
-    return Source(((a, b), y), ((va, vb), vy), list("ABCD"), test=((ta, tb), ty), pad=1)
+    """The tuple form, its val split --val-fraction of the training examples held out (each input indexed
+    alike), and a test split."""
+    images, table, labels = image_and_table(cfg.synthetic_size * 5 // 4, 1)
+    train, val = hold_out(labels, cfg.val_fraction, "pairs")
+    test_images, test_table, test_labels = image_and_table(max(cfg.synthetic_size // 4, 8), 3)
+    return Source(((images[train], table[train]), labels[train]), ((images[val], table[val]), labels[val]),
+                  list("ABCD"), test=((test_images, test_table), test_labels), pad=1)
 
 
 def pairs_dict(cfg: Config) -> Source:
