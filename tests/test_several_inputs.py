@@ -67,20 +67,18 @@ def test_lr_find_sweeps_several_inputs(tmp_path, monkeypatch):
     assert len(record["lrs"]) > 30 and record["suggestion"] > 0
 
 
-def test_several_inputs_accumulate_and_split_over_torchrun_as_one_batch(tmp_path):
+def test_several_inputs_accumulate_and_split_over_torchrun_as_one_batch(tmp_path, monkeypatch):
     """--accum-steps 2 of 16 and torchrun's 2 gloo processes of 16 end where one batch of 32 ends (the
     model has no BatchNorm, whose statistics are per process)."""
-    argv = ["--entries", ",".join(ENTRIES), "train.py", "--dataset", "pairs", *SMALL, "--epochs", "2", "--lr",
-            "0.05"]  # 288 training examples: 9 batches of 32 an epoch, with none left over
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {"one": [*LAUNCH, *argv],
-            "accumulated": [*LAUNCH, *argv, "--batch-size", "16", "--accum-steps", "2"],
-            "two": [*LAUNCH[:1], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    *LAUNCH[1:], *argv]}
-    for name, command in runs.items():
-        result = subprocess.run([*command, "--out-dir", str(tmp_path / name)], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=240)
-        assert result.returncode == 0, result.stderr[-3000:]
+    add_entries(monkeypatch, *ENTRIES)
+    argv = ["--dataset", "pairs", *SMALL, "--epochs", "2", "--lr", "0.05"]  # 288 examples: 9 batches of 32
+    for name, more in (("one", []), ("accumulated", ["--batch-size", "16", "--accum-steps", "2"])):
+        train.train(parse_config([*argv, *more, "--out-dir", str(tmp_path / name)]))
+    two = subprocess.run([*LAUNCH[:1], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          *LAUNCH[1:], "--entries", ",".join(ENTRIES), "train.py", *argv, "--out-dir",
+                          str(tmp_path / "two")], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
     one = checkpoints.load_checkpoint(tmp_path / "one" / "last.pt")["model"]
     for name in ("accumulated", "two"):
         other = checkpoints.load_checkpoint(tmp_path / name / "last.pt")["model"]
