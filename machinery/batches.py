@@ -113,7 +113,7 @@ class Batches:
         self.source, self.labels, self.serving, self.train = source, labels, serving, train
         self.targets, self.class_ids, self.device = targets, class_ids, serving.device
         self.images = image if isinstance(image, dict) else {} if image is None else {None: image}
-        self.image = next(iter(self.images.values()), None)  # the first image's: pad and flip are all's
+        self.image = next(iter(self.images.values()), None)  # the first input's (pad and flip: every one's)
         self.on_device = not isinstance(source, torch.utils.data.Dataset)  # else: read by workers
         self.num_examples = rows(source) if self.on_device else len(source)
         self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
