@@ -5,7 +5,7 @@ as it would one tensor. A member's key is its position or dict key; None where t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -13,11 +13,14 @@ from configs import UserError
 
 
 def members(inputs) -> dict:
-    """Each input tensor by its key ({None: inputs} for one tensor); a DataLoader's list is a tuple's."""
+    """Each input tensor by its key ({None: inputs} for one tensor); a DataLoader's list is a tuple's, and
+    any mapping (a tokenizer's BatchEncoding) a dict's."""
     if isinstance(inputs, torch.Tensor):
         return {None: inputs}
-    found = dict(inputs) if isinstance(inputs, dict) else dict(enumerate(inputs)) if isinstance(
+    found = dict(inputs) if isinstance(inputs, Mapping) else dict(enumerate(inputs)) if isinstance(
         inputs, (tuple, list)) else {None: inputs}
+    if not found:
+        raise UserError("the inputs are an empty tuple or dict: give the model at least one tensor")
     for key, t in found.items():
         if not isinstance(t, torch.Tensor):
             raise UserError(f"the {named(key)} are a {type(t).__name__}: give the model a tensor, or a tuple "
@@ -30,7 +33,7 @@ def each(fn: Callable, inputs):
     done = {key: fn(key, t) for key, t in members(inputs).items()}
     if isinstance(inputs, torch.Tensor):
         return done[None]
-    return done if isinstance(inputs, dict) else tuple(done.values())
+    return done if isinstance(inputs, Mapping) else tuple(done.values())
 
 
 def take(inputs, index):

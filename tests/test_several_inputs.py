@@ -18,7 +18,7 @@ from test_resume import assert_same_state, final_state
 import data
 import lr_find
 import train
-from configs import Config, parse_config, parse_given
+from configs import Config, UserError, parse_config, parse_given
 from machinery import checkpoints
 
 ENTRIES = ("two_inputs_data", "two_inputs_model")
@@ -144,3 +144,18 @@ def test_the_docs_model_of_two_inputs_trains(tmp_path, monkeypatch, capsys):
     summary = train.train(parse_config(["--dataset", "pairs", *SMALL, "--model", "imageandtable", "--epochs",
                                         "2", "--lr", "0.05", "--out-dir", str(tmp_path)]))
     assert summary["best_val_acc"] > 0.8
+
+
+def test_any_mapping_is_a_dict_of_inputs_and_none_at_all_is_one_line():
+    """A tokenizer's BatchEncoding is a Mapping, not a dict: its tensors are inputs by key all the same."""
+    from collections import UserDict
+
+    from machinery.inputs import described, each, members, take
+
+    batch = UserDict(ids=torch.arange(6).view(3, 2), mask=torch.ones(3, 2, dtype=torch.bool))
+    doubled = each(lambda _, t: t * 2, take(batch, slice(0, 2)))
+    assert isinstance(doubled, dict) and doubled["ids"].tolist() == [[0, 2], [4, 6]]
+    assert described(batch) == "[3, 2] int64 + [3, 2] bool"
+    for empty in ((), {}):
+        with pytest.raises(UserError, match="the inputs are an empty tuple or dict"):
+            members(empty)
