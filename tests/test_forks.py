@@ -126,7 +126,7 @@ def test_a_fork_of_two_inputs_adds_a_dataset_and_a_model(tmp_path):
     """Examples of an image and a table (tests/forks/two_inputs_*.py), a model that unpacks them: swept,
     trained with --lr auto, stopped by SIGTERM and resumed to a straight run's state, evaluated to the
     summary's best (--predict's refusal: tests/test_several_inputs.py)."""
-    project = make_fork(tmp_path, data=("two_inputs_data",), model=("two_inputs_model",))
+    project = make_fork(tmp_path, "classification", data=("two_inputs_data",), model=("two_inputs_model",))
     argv = ["--dataset", "pairs", "--model", "twoinputnet", "--synthetic-size", "512", *SMALL, "--epochs",
             "6", "--save-every", "2", "--find-iters", "200"]  # fewer: the loss still falls at 10
     assert "suggested lr" in run(project, "lr_find.py", *argv, "--out-dir", "a")
