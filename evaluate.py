@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,10 +15,12 @@ import torch
 import task as default_task
 from configs import Config, UserError, parse_given, validate
 from configs.resolve import evaluated_config
-from data import IMAGE_SUFFIXES, csv_rows, image_files, named
 from machinery import checkpoints, logs, processes, stops
-from machinery.batches import Batches, ImageSteps, Serving, UnreadableImage
+from machinery.batches import Batches, ImageSteps, Serving
 from machinery.contract import check_model
+from machinery.image_files import IMAGE_SUFFIXES, ImageFiles, UnreadableImage, csv_rows
+from machinery.image_files import printable as named
+from machinery.placement import workers
 from machinery.weights import load_weights
 from models import amp_setup, autocast, build_model
 from train import CHOICES, evaluate, setup
@@ -125,11 +126,10 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
             f"{', ...' if len(what) > 3 else ''})" for why, what in (
                 ("not image files", [p for p in found if p not in files]), ("broken links", broken)) if what]
     skipped = "; ".join(said + [note.removeprefix("csv: ") for note in notes])
-    as_run = replace(cfg, dataset="--predict", image_size=reading["size"], channels=reading["channels"])
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
-    source = image_files(as_run, {"train": [(f, 0) for f in files], "val": []}, []).train
-    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=cfg.num_workers)
+    source = ImageFiles([(f, 0) for f in files], reading["size"], reading["channels"], path)
+    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=workers(cfg.num_workers, device))
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
 

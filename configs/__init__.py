@@ -23,6 +23,7 @@ OUT_DIR_RESUMES = ("last", "auto")  # --resume of <out_dir>/last.pt: plain --res
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes; off: eager
 LOGS = ("tensorboard", "csv", "wandb", "mlflow")  # --log-to: where a run's points go (machinery/trackers.py)
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+OR_AUTO = {"lr": float, "num_workers": int}  # numbers that also take "auto"
 
 # The ranges a number may be declared to lie in, and how each is checked: never nan or inf.
 LIMITS = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
@@ -58,11 +59,15 @@ class Config:
                                   "fixed one, each class in proportion) where the data has none of its "
                                   "own: digits, the torchvision sets, csv without a val.csv",
                                   limits="in (0, 1)")
-    loader: str = setting("auto", "device: tensors on the device, augmented in batches; dataloader: "
-                          "worker processes; auto: device when the data fits (files: dataloader)",
-                          choices=("auto", "device", "dataloader"))
-    num_workers: int = setting(2, "DataLoader worker processes; 0: load in the main process",
-                               limits=">= 0")
+    loader: str = setting("auto", "device: tensors (and image files, decoded once) on the device, augmented "
+                          "in batches; host: in host memory, each batch copied to the GPU; dataloader: "
+                          "files read every epoch by worker processes; auto: device where the data fits, "
+                          "else host, else dataloader", choices=("auto", "device", "host", "dataloader"))
+    num_workers: int | str = setting("auto", "DataLoader worker processes, where files are read every "
+                                     "epoch; 0: read in the main process; auto: 2, on CUDA the CPU cores "
+                                     "per process up to 8", limits=">= 0")
+    image_cache: str = setting("auto", "where image files decoded once are kept for later runs; auto: "
+                               "--data-dir/.image-cache; off: decoded into memory each run, nothing kept")
     augment: bool = setting(True, "images: random crop (and flip, below) of training batches; off: neither")
     flip: bool = setting(True, "images: left-right flips, only where they keep the label: cifar10, "
                          "cifar100, imagefolder, csv")
@@ -190,12 +195,13 @@ def _flag(name: str) -> str:
 
 def _convert(name: str, raw):
     """Turn a TOML value or a command-line string into the field's type."""
-    if name == "lr" and isinstance(raw, str) and raw.strip().lower() in ("auto", "find"):
-        if raw.strip().lower() == "find":  # the range test is a command of its own
+    if name in OR_AUTO and isinstance(raw, str) and raw.strip().lower() in ("auto", "find"):
+        if raw.strip().lower() == "find" and name == "lr":  # the range test is a command of its own
             raise UserError("--lr find: the range test runs as its own command: `python lr_find.py` with the "
                             "same options, then `python train.py ... --lr auto` trains with its rate")
-        return "auto"
-    kind = float if name == "lr" else type(_FIELDS[name].default)
+        if raw.strip().lower() == "auto":
+            return "auto"
+    kind = OR_AUTO.get(name) or type(_FIELDS[name].default)
     if kind is bool:
         text = str(raw).strip().lower()  # True and False too: "true", "false"
         if text in ("1", "true", "yes", "on"):
@@ -210,7 +216,7 @@ def _convert(name: str, raw):
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError):
-        hint = " or 'auto'" if name == "lr" else ""
+        hint = " or 'auto'" if name in OR_AUTO else ""
         raise UserError(f"{name} expects {EXPECTS[kind]}{hint}, got {raw!r}") from None
 
 
@@ -234,7 +240,7 @@ def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> 
         if allowed and value not in allowed:
             raise UserError(f"unknown {f.name} {value!r}{_suggest(value, allowed)} "
                             f"(choose from {', '.join(allowed)})")
-        if limits and not LIMITS[limits](value):
+        if limits and value != "auto" and not LIMITS[limits](value):
             raise UserError(f"{f.name} must be a number {limits}, got {value}")
     if cfg.lr != "auto" and not 0 < cfg.lr < math.inf:
         raise UserError(f"lr must be a number > 0 (or auto), got {cfg.lr}")
@@ -281,12 +287,12 @@ def load_toml(path: str) -> dict:
 def _toml_typed(path: str, key: str, name: str, raw):
     """A TOML value of its field's type as TOML writes it (3, 0.1, true, "runs/x"; lr "auto" too), else one
     line: str() or float() of a list, a table or a quoted number would run with a value it never said."""
-    kind = float if name == "lr" else type(_FIELDS[name].default)
+    kind = OR_AUTO.get(name) or type(_FIELDS[name].default)
     number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
     typed = {bool: isinstance(raw, bool), str: isinstance(raw, str)}.get(kind, number)
-    if typed or (name == "lr" and isinstance(raw, str)):  # lr: a number, or "auto"
+    if typed or (name in OR_AUTO and isinstance(raw, str)):  # lr, num_workers: a number, or "auto"
         return raw
-    expects = EXPECTS[kind] + (" or 'auto'" if name == "lr" else "")
+    expects = EXPECTS[kind] + (" or 'auto'" if name in OR_AUTO else "")
     what = {bool: "a boolean", str: "a string", list: "a list", dict: "a table"}.get(type(raw))
     got = what or ("a number" if number else f"a {type(raw).__name__}")
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."

@@ -10,10 +10,11 @@ from pathlib import Path
 from configs import _FIELDS, OUT_DIR_RESUMES, Config, UserError, _convert, validate
 
 # What a resume may change: how a run is run or watched, never what its saved state means.
-MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "init_from", "find_start_lr", "find_end_lr",
-                        "find_iters", "find_method", "device", "compile", "out_dir", "log_every",
-                        "save_every", "early_stop", "min_delta", "resume", "allow_more_epochs", "checkpoint",
-                        "split", "predict", "top_k", "tta", "dist_timeout", "log_to", "log_model")
+MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
+                        "find_end_lr", "find_iters", "find_method", "device", "compile", "out_dir",
+                        "log_every", "save_every", "early_stop", "min_delta", "resume", "allow_more_epochs",
+                        "checkpoint", "split", "predict", "top_k", "tta", "dist_timeout", "log_to",
+                        "log_model")
 # What cannot move the best learning rate (paths, devices, the schedule's shape, how a run is watched):
 # --lr auto compares every other setting with the config its sweep measured.
 KEEPS_LR = (*(name for name in MAY_CHANGE_ON_RESUME if name != "init_from"), "synthetic_val_size", "lr",
@@ -22,8 +23,8 @@ KEEPS_LR = (*(name for name in MAY_CHANGE_ON_RESUME if name != "init_from"), "sy
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 # What evaluate.py takes from its command line; the model and data settings come from the checkpoint.
 # The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
-EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "amp", "out_dir",
-                       "dist_timeout")
+EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "image_cache", "amp",
+                       "out_dir", "dist_timeout")
 MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta")
 
 

@@ -1,16 +1,16 @@
 """Batches of (inputs, targets) on the training device, for each split of a dataset entry's Source.
 
-Tensors that fit stay on the device and are served in whole batches (airbench-style); files are read by
-DataLoader workers. Inputs are a tensor, or a tuple or dict of tensors (machinery/inputs.py); each uint8
-[N, C, H, W] one is an image: crop and flip, normalization from 0..255, channels_last and resizing to a
-model's size, in whole batches on the device (machinery/image_steps.py). Each epoch's order and
-augmentation come from a (seed, epoch) generator: a resumed run or DDP rank sees what it would have."""
+Tensors, and image files decoded once (image_cache.py), stay on the device where they fit and are served
+in whole batches (airbench-style); else in host memory, each batch gathered there into pinned memory and
+copied without blocking; files too many to hold are read by DataLoader workers (placement.py). Inputs are
+a tensor, or a tuple or dict of tensors (machinery/inputs.py); each uint8 [N, C, H, W] one is an image:
+crop and flip, normalization from 0..255, channels_last and resizing to a model's size, in whole batches
+on the device (machinery/image_steps.py). Each epoch's order and augmentation come from a (seed, epoch)
+generator: a resumed run or DDP rank sees what it would have."""
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -20,21 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from configs import Config, UserError
+from machinery import image_cache, placement
 from machinery.contract import IGNORE_INDEX, Targets, as_taken, check_splits
+from machinery.image_files import ImageFiles
 from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note
 from machinery.inputs import Examples, described, each, members, named, rows, take, total_bytes
+from machinery.placement import Placement
 from machinery.signals import worker_init
-
-DEVICE_MEMORY_SHARE = 0.25  # auto mode keeps data on a GPU only if it takes at most this share
-
-
-class UnreadableImage(UserError):
-    """An image file that cannot be decoded; the message names the file and its class folder. From a
-    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
-
-    def __init__(self, message: str):
-        worker = "Original Traceback" in message
-        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
 
 
 @dataclass
@@ -114,8 +106,10 @@ class Batches:
         self.targets, self.class_ids, self.device = targets, class_ids, serving.device
         self.images = image if isinstance(image, dict) else {} if image is None else {None: image}
         self.image = next(iter(self.images.values()), None)  # the first input's (pad and flip: every one's)
-        self.on_device = not isinstance(source, torch.utils.data.Dataset)  # else: read by workers
-        self.num_examples = rows(source) if self.on_device else len(source)
+        self.tensors = not isinstance(source, torch.utils.data.Dataset)  # else: read by workers
+        self.num_examples = rows(source) if self.tensors else len(source)
+        # tensors in host memory for a GPU: batches gathered on the host, pinned, copied without blocking
+        self.gathered_on_host = self.tensors and next(iter(members(source).values())).device != self.device
         self._loader, self._open = None, weakref.WeakSet()  # its DataLoader, and the epochs not yet done
         self.scale, self.shift = {}, {}  # per image input, per channel: x * scale - shift normalizes
         for key, steps in self.images.items():
@@ -143,7 +137,7 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        batch = ((take(self.source, slice(0, n)), self.labels[:n]) if self.on_device else
+        batch = ((take(self.source, slice(0, n)), self.labels[:n]) if self.tensors else
                  torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
         return self._prepared(*batch)
 
@@ -161,9 +155,9 @@ class Batches:
             order, offsets, flips = order[: len(self) * bs], offsets.to(self.device), flips.to(self.device)
         else:  # in order, each rank its shard
             order = torch.arange(s.rank, self.num_examples, s.world_size)
-        if self.on_device:
-            plan = order.to(self.device).split(bs)[start:]
-            raw = ((take(self.source, idx), self.labels[idx]) for idx in plan)
+        if self.tensors:
+            plan = order.to(self.labels.device).split(bs)[start:]
+            raw = ((self._gathered(idx), self.labels[idx]) for idx in plan)
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         try:
@@ -176,6 +170,18 @@ class Batches:
             raise
         finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
             del raw
+
+    def _gathered(self, index: torch.Tensor):
+        """The inputs' rows `index`, where they are held: on the device, or on the host gathered straight
+        into pinned memory, from which _prepared's copy to the GPU does not block."""
+        if not self.gathered_on_host:
+            return take(self.source, index)
+
+        def pinned(_, t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+            return torch.index_select(t, 0, index, out=out)
+
+        return each(pinned, self.source)
 
     def _prepared(self, inputs, targets: torch.Tensor, crops=None):
         """A batch on the device as the model and the task take it: training images cropped and flipped by
@@ -256,8 +262,11 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
             skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
             raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
                             "dataset entry in data.py, or the files in --data-dir)")
-    files = not isinstance(source.train, tuple)  # a Dataset (files, say), read by workers
-    sample = source.train[0][0] if files else take(source.train[0], 0)  # the first example's inputs
+    notes, files = list(source.notes), {split: examples.fingerprint() for split, examples in splits.items()
+                                         if isinstance(examples, ImageFiles)} or None
+    splits, held = _held(cfg, splits, device, notes)  # image files that fit: decoded once, as tensors now
+    streamed = not isinstance(splits["train"], tuple)  # a Dataset (files, say), read by workers
+    sample = splits["train"][0][0] if streamed else take(splits["train"][0], 0)  # the first example's inputs
     parts = members(sample)
     keys = [key for key, t in parts.items() if t.dtype == torch.uint8 and t.ndim == 3]  # the image inputs
     if needs.size and keys != [None]:
@@ -266,8 +275,8 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                         "models.py")
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
     spec, checked = check_splits(splits, list(source.names), targets, size)
-    notes = list(source.notes)
-    image, reading = _image_inputs(cfg, source, {key: parts[key] for key in keys}, (spec, needs), notes)
+    image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
+                                   (spec, needs), notes)
     others = {key: t for key, t in parts.items() if key not in keys}
     if not keys and (source.pad or source.flip) and cfg.augment:  # clips [C, T, H, W]: which axes to crop?
         raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
@@ -282,51 +291,46 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     if cfg.balance_classes and spec.class_ids is None:
         raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
                         "class id per example listed up front (tensors, or a Dataset with .targets)")
-    mode = cfg.loader
-    if files and mode == "device":
-        raise UserError(f"{cfg.dataset} reads files through workers; use --loader dataloader")
-    if mode == "auto":  # tensors that fit: on a GPU, in DEVICE_MEMORY_SHARE of its free memory
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-        needed = 0 if files else sum(total_bytes(x) + y.nbytes for x, y in splits.values())
-        mode = "device" if not files and needed <= DEVICE_MEMORY_SHARE * free else "dataloader"
-    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, cfg.num_workers)
-    served = {}  # each split's batches, of tensors on the device or of a Dataset for workers
+    workers = placement.workers(cfg.num_workers, device)
+    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, workers)
+    served = {}  # each split's batches: tensors on the device or in host memory, or a Dataset for workers
     for split, pair in splits.items():
-        held = ((each(lambda _, t: t.to(device), pair[0]), pair[1].to(device)) if mode == "device" else
-                (pair if files else Examples(*pair), None))
-        served[split] = Batches(*held, serving, train=split == "train", image=image, targets=spec,
+        kept = ((each(lambda _, t: t.to(device), pair[0]), pair[1].to(device)) if held.where == "device" else
+                pair if held.where == "host" else (pair if streamed else Examples(*pair), None))
+        served[split] = Batches(*kept, serving, train=split == "train", image=image, targets=spec,
                                 class_ids=spec.class_ids if cfg.balance_classes else None)
-    if mode == "dataloader":
-        check_shared_memory(total_bytes(sample) * cfg.batch_size // world_size, cfg.num_workers, notes)
+    if held.where == "dataloader":
+        placement.check_shared_memory(total_bytes(sample) * cfg.batch_size // world_size, workers, notes)
     if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({served['train'].num_examples}); lower --batch-size")
-    loader = (f"device-resident tensors on {device.type}" if mode == "device"
-              else f"DataLoader with {cfg.num_workers} workers")
+    loader = {"device": f"device-resident tensors on {device.type}", "dataloader": f"DataLoader with "
+              f"{workers} workers", "host": f"host memory, pinned batches copied to {device}"}[held.where]
     key, x = next(iter(parts.items()))  # the one input, or the first of several: the model's channels
     resize, several = reading["resize"] if reading else 0, described(sample) if len(parts) > 1 else None
     info = DataInfo(batches=len(served["train"]), input_shape=(x.shape[0], resize, resize) if resize else
                     tuple(x.shape), input_dtype=torch.float32 if key in keys or x.is_floating_point() else
                     x.dtype, names=list(source.names), loader=loader, images=bool(keys), notes=notes,
-                    reading=reading, files=source.files, members=several,
+                    reading=reading, files=files, members=several,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info
 
 
-def _image_inputs(cfg: Config, source, images: dict, fitting: tuple, notes: list[str]) -> tuple:
-    """The steps of the image inputs (`images`: the first example's uint8 [C, H, W] members by key), each
-    normalized with the Source's stats or its own training images' (one ImageSteps for one tensor, a dict
-    for several, None for none), said in `notes`; and, for one image tensor, how it was read (DataInfo's
-    reading: evaluate.py --predict reads files so). `fitting`: the targets' spec, the model's needs."""
-    steps, (spec, needs) = {}, fitting
+def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list[str]) -> tuple:
+    """The steps of the image inputs (`found`: the training split, and its first example's uint8 [C, H, W]
+    members by key), each normalized with the Source's stats or its own training images' (one ImageSteps
+    for one tensor, a dict for several, None for none), said in `notes`; and, for one image tensor, how it
+    was read (DataInfo's reading: evaluate.py --predict reads files so). `fitting`: the targets' spec, the
+    model's needs."""
+    steps, (train, images), (spec, needs) = {}, found, fitting
     for key, example in images.items():
         channels, size, stats = example.shape[0], example.shape[-1], source.stats
-        if stats is None and not isinstance(source.train, tuple):
+        if stats is None and not isinstance(train, tuple):
             raise UserError(f"{cfg.dataset}'s images come from a Dataset: give its Source stats=(mean, std), "
                             "per channel in [0, 1] (data.py's image_files shows how)")
         if stats is None:  # the training images' own statistics
-            x = members(source.train[0])[key].float().div_(255).transpose(0, 1).reshape(channels, -1)
+            x = members(train[0])[key].float().div_(255).transpose(0, 1).reshape(channels, -1)
             stats = x.mean(1), x.std(1).clamp_min(1e-3)
         elif len(stats[0]) != channels:
             raise UserError(f"{cfg.dataset}'s Source gives stats for {len(stats[0])} channels, and "
@@ -346,18 +350,20 @@ def _image_inputs(cfg: Config, source, images: dict, fitting: tuple, notes: list
                    "std": first.std.tolist()}
 
 
-def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
-    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
-    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
-    refused now rather than in the loop; under twice that, said in a note."""
-    if workers == 0 or not os.path.isdir("/dev/shm"):
-        return
-    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = shutil.disk_usage("/dev/shm").free
-    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
-            f"{need / 2**20:.1f} MiB")
-    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
-    if free < need:
-        raise UserError(f"{said}; {fix}")
-    if free < 2 * need:
-        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
+def _held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> tuple[dict, Placement]:
+    """Where the splits live (placement.py), with image files that fit decoded once (image_cache.py) into
+    (uint8 images, class ids) tensors; said in `notes`."""
+    decodable = all(isinstance(examples, ImageFiles) for examples in splits.values())
+    held = placement.place(cfg.loader, device, needed=placement.held_bytes(splits), decoded=decodable)
+    where = {"device": f"on {device.type}", "host": "in host memory"}.get(held.where)
+    if decodable and where:
+        folder = image_cache.cache_folder(cfg.image_cache, cfg.data_dir)
+        done = image_cache.decode_splits(splits, folder)
+        said = image_cache.describe(folder, done)
+        notes.append(f"image files decoded once, held {where} ({held.why}): {said}")
+        return {split: (d.images, torch.tensor(splits[split].targets)) for split, d in done.items()}, held
+    if decodable:
+        notes.append(f"image files read every epoch by DataLoader workers ({held.why})")
+    elif held.where == "host":
+        notes.append(f"tensors held in host memory ({held.why})")
+    return splits, held

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from configs import UserError, first_line
 from machinery import processes
-from machinery.batches import UnreadableImage
 from machinery.checkpoints import all_finite, write_checkpoint
+from machinery.image_files import UnreadableImage
 from machinery.run_folder import continue_command, release_all
 from machinery.signals import SIGNALS, Interrupted
 

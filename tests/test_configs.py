@@ -34,6 +34,8 @@ def other_value(name: str, default):
         return next(choice for choice in CHOICES[name] if choice != default)
     if name == "log_to":  # a comma list of LOGS
         return "tensorboard"
+    if name == "num_workers":  # a number, or auto
+        return "3"
     if isinstance(default, int):
         return str(default + 1)
     if isinstance(default, float):
@@ -51,7 +53,8 @@ def test_every_field_has_a_flag():
         else:
             text = "runs/a/last.pt" if field.name == "resume" else other_value(field.name, default)
             argv = [flag, text]
-            value = text if isinstance(default, str) and field.name != "lr" else type(default)(text)
+            value = (int(text) if field.name == "num_workers" else
+                     text if isinstance(default, str) and field.name != "lr" else type(default)(text))
         expected = dataclasses.replace(Config(), **{field.name: value})
         if field.name in needs:
             argv += needs[field.name]
@@ -154,7 +157,7 @@ def test_the_choices_are_read_where_they_are_defined():
     assert {lr_find.family_of(s) for s in schedules.SCHEDULES} == {"peak", "base"}  # each one's suggestion
     for mode in CHOICES["amp"]:
         models.amp_dtype(torch.device("cpu"), mode)
-    assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": ("auto", "device", "dataloader"),
+    assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": ("auto", "device", "host", "dataloader"),
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": schedules.SCHEDULES,
                        "find_method": ("auto", *lr_find.METHODS), "amp": ("auto", "bf16", "fp16", "off"),
                        "tta": ("none", "flip"), "split": ("val", "test"),

@@ -297,7 +297,7 @@ def imagefolder_run(images, tmp_path, *extra) -> tuple[Path, list]:
 
 @fault
 def test_unreadable_image_in_a_worker_saves_and_resumes(images, tmp_path, monkeypatch, capsys):
-    root, run = imagefolder_run(images, tmp_path, "--num-workers", "1")
+    root, run = imagefolder_run(images, tmp_path, "--num-workers", "1", "--loader", "dataloader")
     files = sorted((root / "train").glob("*/*.png"))  # ImageFolder's order
     order, _, _ = epoch_plan(len(files), 0, 0)
     bad = files[order[9]]  # read in the third batch of four: after two optimizer steps
@@ -315,7 +315,7 @@ def test_unreadable_image_in_a_worker_saves_and_resumes(images, tmp_path, monkey
 
 @fault
 def test_truncated_image_in_val_saves_at_the_epoch_end(images, tmp_path, monkeypatch, capsys):
-    root, run = imagefolder_run(images, tmp_path)
+    root, run = imagefolder_run(images, tmp_path, "--loader", "dataloader")  # files read every epoch
     save_png(root / "val" / "dark" / "big.png", 64, 7)
     data = (root / "val" / "dark" / "big.png").read_bytes()
     (root / "val" / "dark" / "big.png").write_bytes(data[: len(data) // 2])

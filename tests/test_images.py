@@ -11,11 +11,11 @@ from conftest import build_loaders, run_script
 from PIL import Image
 
 from configs import UserError, parse_config
-from data import IMAGE_SUFFIXES, read_image
-from machinery.batches import UnreadableImage
+from machinery.image_files import IMAGE_SUFFIXES, UnreadableImage, read_image
 
 CPU = torch.device("cpu")
-FLAGS = ["--image-size", "8", "--no-augment", "--batch-size", "2", "--num-workers", "0"]
+FLAGS = ["--image-size", "8", "--no-augment", "--batch-size", "2", "--num-workers", "0", "--loader",
+         "dataloader"]  # the files as each split lists them: read, not decoded into a cache
 
 
 def skipped(info) -> list[str]:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import test_faults
 import torch
-from conftest import ROOT, run_evaluate, run_main
+from conftest import ROOT, add_entries, run_evaluate, run_main
 from test_faults import TINY, assert_one_line_failure, save_png
 
 import data
@@ -28,6 +28,7 @@ import task
 import train
 from configs import UserError, parse_config
 from machinery import batches, checkpoints, lr_auto
+from machinery.image_files import ImageFiles
 from models import OPTIMIZERS
 
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
@@ -136,11 +137,15 @@ def test_a_csv_of_one_label_is_refused(tmp_path, monkeypatch, capsys):
                     "give each row its class after the file (file,label)\n")
 
 
-def test_two_classes_on_the_device_loader_still_ask_for_workers(images, tmp_path, monkeypatch, capsys):
-    """test_faults' "data folder on the device loader" has one class, which is now refused first."""
-    line = refused(monkeypatch, capsys, tmp_path / "run", "--dataset", "imagefolder", "--data-dir", images,
-                   *FILES, "--loader", "device")
-    assert "imagefolder reads files through workers; use --loader dataloader" in line
+def test_a_dataset_for_workers_on_the_device_loader_is_one_line(tmp_path, monkeypatch, capsys):
+    """Image files go on the device decoded (issue 48); a Dataset of a fork's, which only workers can read,
+    is refused on --loader device and host."""
+    add_entries(monkeypatch, "two_inputs_data", "two_inputs_model")
+    for mode in ("device", "host"):
+        line = refused(monkeypatch, capsys, tmp_path / "run", "--dataset", "pairs_dataset", "--model",
+                       "twoinputnet", "--synthetic-size", "32", "--loader", mode)
+        assert line == (f"error: --loader {mode} holds tensors or image files, and this dataset's Dataset is "
+                        "read by DataLoader workers; use --loader auto or dataloader\n")
 
 
 # ---------------------------------------------------------------- 3: rows without a label
@@ -249,7 +254,8 @@ def test_too_little_shared_memory_for_the_workers_is_found_at_start_up(free, sai
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: SimpleNamespace(free=free) if str(path) == "/dev/shm" else real(path))
-    argv = ["--dataset", "imagefolder", "--data-dir", images, *FILES, "--num-workers", "1"]
+    argv = ["--dataset", "imagefolder", "--data-dir", images, *FILES, "--num-workers", "1", "--loader",
+            "dataloader"]
     advice = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
     if said == "refused":
         line = refused(monkeypatch, capsys, tmp_path / "run", *argv)
@@ -265,7 +271,7 @@ def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoi
                                                                                     monkeypatch, capsys):
     """As torch reports it in the loop: a worker's RuntimeError, its traceback as text (54 lines in all)."""
     order, _, _ = batches.epoch_plan(16, 0, 0)
-    bad, real = int(order[9]), data._Files.__getitem__  # in the third batch of four: after two steps
+    bad, real = int(order[9]), ImageFiles.__getitem__  # in the third batch of four: after two steps
 
     def getitem(self, i):  # in the worker process
         if len(self.items) == 16 and i == bad:
@@ -273,9 +279,10 @@ def test_workers_out_of_shared_memory_mid_run_is_one_line_and_keeps_the_checkpoi
                                "left on device (28)")
         return real(self, i)
 
-    monkeypatch.setattr(data._Files, "__getitem__", getitem)
+    monkeypatch.setattr(ImageFiles, "__getitem__", getitem)
     code, out, err = run_main(monkeypatch, capsys, "--dataset", "imagefolder", "--data-dir", images, *FILES,
-                              "--num-workers", "1", "--save-every", "1", "--out-dir", tmp_path)
+                              "--num-workers", "1", "--loader", "dataloader", "--save-every", "1",
+                              "--out-dir", tmp_path)
     assert assert_one_line_failure(code, out, err) == (
         "error: DataLoader workers ran out of shared memory (RuntimeError: unable to allocate shared "
         "memory(shm) for file </torch_1_2_0>: No space left on device (28)); use --num-workers 0, or give "
@@ -292,8 +299,8 @@ sys.path[:0] = [{root!r}, {root!r} + "/tests"]
 from forks import classification  # the tests' task, whatever task.py holds (conftest.py)
 sys.modules["task"] = classification
 import torch
-import data
-real = data._Files.__getitem__
+from machinery.image_files import ImageFiles
+real = ImageFiles.__getitem__
 
 def slow(self, i):  # in a DataLoader worker: says it reads, then reads slowly
     if worker := torch.utils.data.get_worker_info():
@@ -301,7 +308,7 @@ def slow(self, i):  # in a DataLoader worker: says it reads, then reads slowly
         time.sleep(0.2)
     return real(self, i)
 
-data._Files.__getitem__ = slow
+ImageFiles.__getitem__ = slow
 """
 
 
@@ -334,7 +341,7 @@ def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run,
 
 def test_sigterm_to_the_group_during_lr_find_with_workers_is_one_line(images, tmp_path):
     argv = ["--dataset", "imagefolder", "--data-dir", str(images), *FILES, "--num-workers", "2",
-            "--find-iters", "200", "--out-dir", str(tmp_path / "out")]
+            "--loader", "dataloader", "--find-iters", "200", "--out-dir", str(tmp_path / "out")]
     stopped = terminated(tmp_path, f"import lr_find\nlr_find.main({argv!r})\n")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert stopped.stderr == ("error: interrupted by SIGTERM; lr_find wrote nothing and the model is as it "

@@ -1,0 +1,111 @@
+"""Where a run's examples live while it trains, by what fits: on the device (tensors, and image files
+decoded once: image_cache.py), in host memory with each batch gathered there and copied without blocking
+(pinned, on CUDA), or read from files by DataLoader workers (a Dataset of a fork's, or image files too many
+to hold). --loader forces one; start-up says which was taken, and why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from configs import UserError
+from machinery.files import shown_size
+from machinery.image_files import ImageFiles
+from machinery.inputs import total_bytes
+
+DEVICE_MEMORY_SHARE = 0.25  # of a GPU's free memory: the rest is the model's and its activations'
+HOST_MEMORY_SHARE = 0.5  # of the memory the machine has available, shared by its processes
+
+
+@dataclass(frozen=True)
+class Placement:
+    where: str  # "device", "host" (CUDA: batches gathered in host memory) or "dataloader" (workers)
+    why: str  # said at start-up
+
+
+def held_bytes(splits: dict) -> int | None:
+    """What the splits take held: tensors' bytes, or image files' once decoded (uint8); None where a
+    split is a Dataset only workers can read."""
+    total = 0
+    for examples in splits.values():
+        if isinstance(examples, tuple):
+            total += total_bytes(examples[0]) + examples[1].nbytes
+        elif isinstance(examples, ImageFiles):
+            total += len(examples) * (examples.channels * examples.size ** 2 + 8)
+        else:
+            return None
+    return total
+
+
+def place(mode: str, device: torch.device, *, needed: int | None, decoded: bool) -> Placement:
+    """Where the splits live: `mode` is --loader; `needed` held_bytes'; `decoded`: image files, which take
+    host memory only once decoded (tensors a Source gives are there already)."""
+    if needed is None:
+        if mode in ("device", "host"):
+            raise UserError(f"--loader {mode} holds tensors or image files, and this dataset's Dataset is "
+                            "read by DataLoader workers; use --loader auto or dataloader")
+        return Placement("dataloader", "a Dataset, read by workers")
+    cuda = device.type == "cuda"
+    if mode != "auto":
+        return Placement(mode if cuda or mode == "dataloader" else "device", f"--loader {mode}")
+    size, memory = shown_size(needed), available_memory()
+    host_share = HOST_MEMORY_SHARE * memory / int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if memory else None
+    fits_host = not decoded or host_share is None or needed <= host_share
+    host_said = (f"{size} fit in {HOST_MEMORY_SHARE:.0%} of the {shown_size(memory)} of memory available"
+                 if memory else f"{size}; the memory available is unknown here")
+    if not fits_host:
+        return Placement("dataloader", f"{size} decoded would not fit in {HOST_MEMORY_SHARE:.0%} of the "
+                         f"{shown_size(memory)} of memory available")
+    if not cuda:
+        return Placement("device", host_said if decoded else "tensors in memory")
+    free = torch.cuda.mem_get_info(device)[0]
+    gpu = f"{DEVICE_MEMORY_SHARE:.0%} of the GPU's {shown_size(free)} free"
+    if needed <= DEVICE_MEMORY_SHARE * free:
+        return Placement("device", f"{size} fit in {gpu}")
+    return Placement("host", f"{size} exceed {gpu}: batches are gathered in host memory")
+
+
+def available_memory() -> int | None:
+    """The bytes this machine can still give (Linux's MemAvailable; elsewhere the free pages), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def workers(setting: int | str, device: torch.device) -> int:
+    """DataLoader workers: --num-workers, or for auto 2, and on CUDA (where a GPU would wait on 2) the
+    CPU cores each of this machine's processes has, up to 8."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
+    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
+    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
+    refused now rather than in the loop; under twice that, said in a note."""
+    if workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage("/dev/shm").free
+    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
+            f"{need / 2**20:.1f} MiB")
+    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
+    if free < need:
+        raise UserError(f"{said}; {fix}")
+    if free < 2 * need:
+        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")
