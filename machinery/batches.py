@@ -157,7 +157,7 @@ class Batches:
             order = torch.arange(s.rank, self.num_examples, s.world_size)
         if self.tensors:
             plan = order.to(self.labels.device).split(bs)[start:]
-            raw = ((self._gathered(idx), self.labels[idx]) for idx in plan)
+            raw = ((self._gathered(self.source, idx), self._gathered(self.labels, idx)) for idx in plan)
         else:
             raw = self._from_workers(order[start * bs:].tolist())
         try:
@@ -171,17 +171,17 @@ class Batches:
         finally:  # the loader's iterator: after close(), its workers go now, not with a traceback's frames
             del raw
 
-    def _gathered(self, index: torch.Tensor):
-        """The inputs' rows `index`, where they are held: on the device, or on the host gathered straight
-        into pinned memory, from which _prepared's copy to the GPU does not block."""
+    def _gathered(self, held, index: torch.Tensor):
+        """The rows `index` of `held` (the inputs, or the targets) where they are: on the device, or on the
+        host gathered straight into pinned memory, from which _prepared's copy to the GPU does not block."""
         if not self.gathered_on_host:
-            return take(self.source, index)
+            return take(held, index)
 
         def pinned(_, t: torch.Tensor) -> torch.Tensor:
             out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
             return torch.index_select(t, 0, index, out=out)
 
-        return each(pinned, self.source)
+        return each(pinned, held)
 
     def _prepared(self, inputs, targets: torch.Tensor, crops=None):
         """A batch on the device as the model and the task take it: training images cropped and flipped by

@@ -133,8 +133,8 @@ def test_no_sync_between_log_points(tmp_path, monkeypatch, amp):
     assert summary["steps"] == 1293 // 128 > last
 
 
-@pytest.mark.parametrize("flags", [[], ["--amp", "bf16"], ["--loader", "dataloader"]],
-                         ids=["fp32", "bf16", "dataloader"])
+@pytest.mark.parametrize("flags", [[], ["--amp", "bf16"], ["--loader", "dataloader"], ["--loader", "host"]],
+                         ids=["fp32", "bf16", "dataloader", "host"])
 def test_host_reads_per_step_on_cuda(tmp_path, flags):
     reads = train_reads_per_step(tmp_path, flags, device="cuda")
     print(f"cuda train.py {' '.join(flags) or 'fp32'}: {reads:.3f} host reads per step")
@@ -309,3 +309,27 @@ def test_several_inputs_on_cuda(tmp_path, monkeypatch):
             "--channels-last", "--out-dir", str(tmp_path)]
     summary = train.train(parse_config(argv))
     assert summary["device"].startswith("cuda") and summary["best_val_acc"] > 0.8
+
+
+# ---------------------------------------------------------------- image files (issue 48)
+
+
+def test_image_files_give_the_same_batches_on_the_device_in_host_memory_and_from_workers(tmp_path):
+    """The decoded images on the GPU, in host memory (each batch gathered into pinned memory and copied
+    without blocking) and the files read by workers: the same batches, bit for bit."""
+    from conftest import build_loaders
+    from test_image_cache import FLAGS, image_folder
+
+    argv = [*FLAGS, "--data-dir", str(image_folder(tmp_path / "images")), "--device", "cuda"]
+    served = {mode: build_loaders(parse_config([*argv, "--loader", mode]), "cuda")
+              for mode in ("auto", "host", "dataloader")}
+    assert served["auto"][3].loader == "device-resident tensors on cuda"
+    assert served["host"][3].loader.startswith("host memory, pinned batches copied to cuda")
+    assert served["host"][0].gathered_on_host and not served["auto"][0].gathered_on_host
+    assert served["host"][0]._gathered(served["host"][0].source, torch.arange(4)).is_pinned()
+    for split in (0, 1):
+        for epoch in (0, 1):
+            batches = [list(served[mode][split].epoch(epoch)) for mode in served]
+            for (x, y), (hx, hy), (wx, wy) in zip(*batches, strict=True):
+                assert x.device.type == hx.device.type == wx.device.type == "cuda"
+                assert torch.equal(x, hx) and torch.equal(x, wx) and torch.equal(y, hy) and torch.equal(y, wy)
