@@ -20,8 +20,9 @@ from data import IMAGE_SUFFIXES, csv_rows, image_files, named
 from machinery import checkpoints, logs, processes, stops
 from machinery.batches import Batches, ImageSteps, Serving, UnreadableImage
 from machinery.contract import check_model
+from machinery.precision import amp_setup, autocast
 from machinery.weights import load_weights
-from models import amp_setup, autocast, build_model
+from models import build_model
 from train import CHOICES, evaluate, setup
 
 

@@ -24,18 +24,9 @@ from machinery import checkpoints, logs, lr_auto, processes, run_folder, stops
 from machinery.batches import DataInfo, Splits, build_loaders
 from machinery.contract import check_model
 from machinery.files import write_json_atomic
+from machinery.precision import Ema, amp_setup, autocast, compile_model, keeps_gradients
 from machinery.weights import weights_of
-from models import (
-    OPTIMIZERS,
-    Ema,
-    amp_setup,
-    autocast,
-    build_model,
-    build_optimizer,
-    compile_model,
-    input_needs,
-    keeps_gradients,
-)
+from models import OPTIMIZERS, build_model, build_optimizer, input_needs
 from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
 # The names --dataset, --optimizer and --schedule take (and --help lists): each list where it is defined.
