@@ -1,15 +1,19 @@
-"""How the model computes: AMP (autocast's dtype and GradScaler), --compile (torch.compile) and --ema (an
-average of the weights, evaluated and kept). train.py, evaluate.py and lr_find.py's command line take them
-from here; models.py reads amp_dtype."""
+"""How the model computes: AMP (autocast's dtype and GradScaler), --compile (the training forward and the
+evaluation forward, each compiled once) and --ema (an average of the weights, evaluated and kept). train.py,
+evaluate.py and lr_find.py's command line take them from here; models.py reads amp_dtype."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from machinery.inputs import each, rows
 
 # ---------------------------------------------------------------- AMP
 
@@ -42,16 +46,35 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 # ---------------------------------------------------------------- --compile
 
 
-def compile_model(model: nn.Module, mode: str, device: torch.device, accum_steps: int) -> str | None:
-    """--compile MODE: torch.compile the model in place (Module.compile: its state_dict keys stay the plain
-    module's, and it stays the one module a run trains, saves and evaluates). reduce-overhead adds CUDA
-    graphs, which need a CUDA device: elsewhere the default mode runs, and the line returned says so."""
+@dataclass
+class Compiled:
+    """What the loop calls to train (which DDP wraps) and to evaluate (eval() and train() reach the module
+    within), and the module evaluated (the model or its --ema average), whose weights best.pt replaces.
+    Without --compile each is the plain module itself."""
+
+    training: nn.Module
+    evaluation: nn.Module
+    evaluated: nn.Module
+
+
+# Evaluation's mode: its outputs go to the task's tally, which may keep them (AP, retrieval); a CUDA graph's
+# outputs are overwritten by its next replay, so evaluation compiles without CUDA graphs.
+WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def compile_model(model: nn.Module, evaluated: nn.Module, mode: str, device: torch.device, *,
+                  notes: list | None = None, accum_steps: int = 1, batch_size: int = 0) -> Compiled:
+    """--compile MODE: the model's training forward and `evaluated`'s (the model, or the --ema average)
+    evaluation forward, each compiled whole, once: static shapes, evaluation's last smaller batch padded up
+    to `batch_size`. Nothing about the modules changes (their state_dict keys stay theirs): compile after a
+    resume's restore, load weights into them in place. reduce-overhead adds CUDA graphs, which need a CUDA
+    device: elsewhere the default mode runs, and a line in `notes` says so."""
     if mode == "off":
-        return None
-    said = None
+        return Compiled(model, evaluated, evaluated)
     if mode == "reduce-overhead" and device.type != "cuda":
-        said = (f"--compile reduce-overhead: CUDA graphs need a CUDA device; on {device.type}, "
-                "torch.compile's default mode runs instead")
+        if notes is not None:
+            notes.append(f"--compile reduce-overhead: CUDA graphs need a CUDA device; on {device.type}, "
+                         "torch.compile's default mode runs instead")
         mode = "default"
     elif keeps_gradients(mode, device, accum_steps):
         # A graph's backward writes each gradient into a buffer it reuses; where p.grad is None, autograd
@@ -59,8 +82,54 @@ def compile_model(model: nn.Module, mode: str, device: torch.device, accum_steps
         # Gradients that exist are added to instead: made here once, zeroed (not freed) after each step.
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
-    model.compile(mode=mode)
-    return said
+    training = torch.compile(training_forward, mode=mode, dynamic=False)
+    evaluation = torch.compile(evaluation_forward, mode=WITHOUT_GRAPHS.get(mode, mode), dynamic=False)
+    return Compiled(CompiledForward(model, training), CompiledForward(evaluated, evaluation, batch_size),
+                    evaluated)
+
+
+# Two functions with one body, each compiled: dynamo keeps its graphs per function (code object), so the
+# training graph (grad mode, BatchNorm's batch statistics) and the evaluation graph (no_grad, running
+# statistics) are each compiled once and never count as the other's recompile. A function of ours, rather
+# than Module.compile, makes the whole model one frame: on torch 2.11 Module.compile left an nn.Sequential
+# model no frame of its own (pytorch#150915), and only its submodules' (Residual.forward) were compiled.
+def training_forward(model: nn.Module, inputs):
+    return model(inputs)
+
+
+def evaluation_forward(model: nn.Module, inputs):
+    return model(inputs)
+
+
+class CompiledForward(nn.Module):
+    """`model` called through `compiled` (training_forward or evaluation_forward, compiled). The model is
+    its one child: its parameters are the model's, train() and eval() reach it. `batch_size` > 0: a smaller
+    batch is padded up to it (its last example repeated) and its outputs cut back, so every batch runs
+    through the one graph compiled for that size."""
+
+    def __init__(self, model: nn.Module, compiled, batch_size: int = 0):
+        super().__init__()
+        self.model, self.compiled, self.batch_size = model, compiled, batch_size
+
+    def forward(self, inputs):
+        if not self.batch_size:
+            return self.compiled(self.model, inputs)
+        n = rows(inputs)
+        if n >= self.batch_size:
+            return self.compiled(self.model, inputs)
+        padded = each(lambda _, t: torch.cat([t, t[-1:].expand(self.batch_size - n, *t.shape[1:])]), inputs)
+        return first_rows(self.compiled(self.model, padded), n, self.batch_size)
+
+
+def first_rows(outputs, n: int, padded: int):
+    """The first n rows of each output with `padded` rows (a tensor, or a tuple or dict of them)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:n] if outputs.ndim and len(outputs) == padded else outputs
+    if isinstance(outputs, Mapping):
+        return {key: first_rows(value, n, padded) for key, value in outputs.items()}
+    if isinstance(outputs, (tuple, list)):
+        return tuple(first_rows(value, n, padded) for value in outputs)
+    return outputs
 
 
 def keeps_gradients(mode: str, device: torch.device, accum_steps: int) -> bool:

@@ -170,7 +170,7 @@ def test_cuda_graphs_under_accumulation_add_to_gradients_that_exist(mode, device
     rather than frees them. Checked on CUDA end to end by tests/test_cuda.py."""
     model = build_model(parse_config(["--model", "resnet_small", "--width", "4"]), channels=1, num_outputs=3)
     model.fc = nn.Linear(2, 2).requires_grad_(False)  # frozen: no gradient made
-    precision.compile_model(model, mode, torch.device(device), accum)  # torch.compile is lazy: no CUDA needed
+    precision.compile_model(model, model, mode, torch.device(device), accum_steps=accum)  # lazy: no CUDA
     assert precision.keeps_gradients(mode, torch.device(device), accum) == kept
     trained = [p for p in model.parameters() if p.requires_grad]
     assert all((p.grad is not None and not p.grad.any()) == kept for p in trained)
