@@ -21,8 +21,9 @@ from machinery.contract import check_model
 from machinery.image_files import IMAGE_SUFFIXES, ImageFiles, UnreadableImage, csv_rows
 from machinery.image_files import printable as named
 from machinery.placement import workers
+from machinery.precision import amp_setup, autocast
 from machinery.weights import load_weights
-from models import amp_setup, autocast, build_model
+from models import build_model
 from train import CHOICES, evaluate, setup
 
 

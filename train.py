@@ -24,18 +24,9 @@ from machinery import checkpoints, logs, lr_auto, processes, run_folder, stops
 from machinery.batches import DataInfo, Splits, build_loaders
 from machinery.contract import check_model
 from machinery.files import write_json_atomic
+from machinery.precision import Compiled, Ema, amp_setup, autocast, compile_model, keeps_gradients
 from machinery.weights import weights_of
-from models import (
-    OPTIMIZERS,
-    Ema,
-    amp_setup,
-    autocast,
-    build_model,
-    build_optimizer,
-    compile_model,
-    input_needs,
-    keeps_gradients,
-)
+from models import OPTIMIZERS, build_model, build_optimizer, input_needs
 from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
 # The names --dataset, --optimizer and --schedule take (and --help lists): each list where it is defined.
@@ -90,12 +81,13 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     ema = Ema(model, cfg.ema) if cfg.ema else None  # --ema: the average is evaluated and kept, never trained
     processes.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
-    # ---- Resume: every state as it was saved (the RNGs' too), on data that gives the same epochs.
+    # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
     progress = Progress(**checkpoints.restore(resumed, info, cfg.epochs, model=model, optimizer=optimizer,
                                               scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
                         ) if resumed else Progress()
-    info.notes.append(compile_model(model, cfg.compile, device, cfg.accum_steps))  # in place: --compile
-    ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
+    compiled = compile_model(model, ema.average if ema else model, cfg.compile, device, notes=info.notes,
+                             accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // world_size)
+    ddp_model = processes.data_parallel(compiled.training, device)  # under torchrun: its one DDP wrapper
 
     # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
     tensorboard = logs.TensorBoard(out_dir, cfg, resumed, lr, active=rank == 0)  # first: --log-to's packages
@@ -168,7 +160,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             # ---- Epoch end: rank 0's BatchNorm statistics on every rank, evaluate, best.pt, save.
             processes.share_from_rank0([*model.buffers(), *(ema.average.buffers() if ema else [])])
             rate = speed.end(info.batches, cfg.batch_size, device, info.images)
-            val = evaluate(ema.average if ema else model, batches.val, task, cfg, info, amp_dtype)
+            val = evaluate(compiled.evaluation, batches.val, task, cfg, info, amp_dtype)  # --ema: the average
             logs.log_evaluation(val, task, info.names, batches.val, progress.step, tensorboard)
             line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
             stop.check_val_loss(val.metrics["loss"], line)  # not finite: the line, then the stop's
@@ -182,10 +174,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt; summary.
     in_sync = processes.ranks_agree(model) and (not ema or processes.ranks_agree(ema.average))
-    val = val or evaluate(ema.average if ema else model, batches.val, task, cfg, info, amp_dtype)  # resumed
+    val = val or evaluate(compiled.evaluation, batches.val, task, cfg, info, amp_dtype)  # resumed
     test = None if batches.test is None else evaluate(  # after ranks_agree: best.pt's weights replace these
-        load_best(ema.average if ema else model, out_dir / "best.pt"), batches.test, task, cfg, info,
-        amp_dtype)
+        load_best(compiled, out_dir / "best.pt"), batches.test, task, cfg, info, amp_dtype)
     logs.log_evaluation(test, task, info.names, batches.test, progress.step, tensorboard, "test")
     summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
         "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "world_size": world_size,
@@ -259,13 +250,13 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
     return tally.result(processes.all_reduce_sum)
 
 
-def load_best(model: torch.nn.Module, path: Path) -> torch.nn.Module:
-    """The weights best.pt holds (its --ema average where it has one) into `model`, read by rank 0 and
-    shared with every rank."""
+def load_best(compiled: Compiled, path: Path) -> torch.nn.Module:
+    """The weights best.pt holds (its --ema average where it has one) into the evaluated model, read by
+    rank 0 and shared with every rank, in place; returns what evaluation calls."""
     if processes.rank() == 0:
-        model.load_state_dict(weights_of(checkpoints.load_checkpoint(path)))
-    processes.share_from_rank0(model.state_dict().values())
-    return model
+        compiled.evaluated.load_state_dict(weights_of(checkpoints.load_checkpoint(path)))
+    processes.share_from_rank0(compiled.evaluated.state_dict().values())
+    return compiled.evaluation
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ signals      Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: a flag the training loop reads
 stops        how a run saves and stops, in one line that says how to continue
 contract     the data against the task and the model, checked at start-up
 batches      batches on the device, the image steps, DataLoader workers for files
+precision    how the model computes: AMP, --compile (training and evaluation each compiled once), --ema
 logs         TensorBoard, summary.json and eval.json, predictions.csv, what a run prints
 pictures     image grids and the confusion matrix, drawn as arrays
 lr_auto      --lr auto: the rate lr_find.py saved, if it fits this run

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import models
 from configs import UserError
-from machinery import checkpoints, processes
+from machinery import checkpoints, precision, processes
 
 
 def test_ranks_agree_in_a_one_process_group(tmp_path):
@@ -57,10 +56,10 @@ def test_ranks_agree_notices_one_rank_one_ulp_off(tmp_path):
 
 def test_amp_choices_on_cpu():
     cpu = torch.device("cpu")
-    assert models.amp_setup(cpu, "auto") == (None, None)
-    assert models.amp_setup(cpu, "off") == (None, None)
-    assert models.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
-    dtype, scaler = models.amp_setup(cpu, "fp16")
+    assert precision.amp_setup(cpu, "auto") == (None, None)
+    assert precision.amp_setup(cpu, "off") == (None, None)
+    assert precision.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
+    dtype, scaler = precision.amp_setup(cpu, "fp16")
     assert dtype == torch.float16 and isinstance(scaler, torch.amp.GradScaler)
 
 

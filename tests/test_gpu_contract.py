@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from conftest import ROOT, build_loaders
 from torch import nn
 
-import models
 import train
 from configs import UserError, parse_config
-from machinery import batches, checkpoints, processes
+from machinery import batches, checkpoints, precision, processes
 from models import build_model, build_optimizer, fused_by_default
 from schedules import build_scheduler, optimizer_step
 
@@ -120,7 +119,7 @@ def test_auto_amp_and_fused_choice_on_cuda(monkeypatch, native):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake_bf16_support(native))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a GradScaler("cuda") without CUDA warns that it is disabled
-        dtype, scaler = models.amp_setup(CUDA, "auto")
+        dtype, scaler = precision.amp_setup(CUDA, "auto")
     assert dtype == (torch.bfloat16 if native else torch.float16)
     assert (scaler is None) == native
     sgd, adamw = (parse_config(OPTIMIZERS[name]) for name in ("sgd", "adamw"))
@@ -171,8 +170,8 @@ def test_cuda_graphs_under_accumulation_add_to_gradients_that_exist(mode, device
     rather than frees them. Checked on CUDA end to end by tests/test_cuda.py."""
     model = build_model(parse_config(["--model", "resnet_small", "--width", "4"]), channels=1, num_outputs=3)
     model.fc = nn.Linear(2, 2).requires_grad_(False)  # frozen: no gradient made
-    models.compile_model(model, mode, torch.device(device), accum)  # torch.compile is lazy: no CUDA needed
-    assert models.keeps_gradients(mode, torch.device(device), accum) == kept
+    precision.compile_model(model, model, mode, torch.device(device), accum_steps=accum)  # lazy: no CUDA
+    assert precision.keeps_gradients(mode, torch.device(device), accum) == kept
     trained = [p for p in model.parameters() if p.requires_grad]
     assert all((p.grad is not None and not p.grad.any()) == kept for p in trained)
     assert model.fc.weight.grad is None

@@ -21,7 +21,8 @@ from test_sync import ALL_LOGS, offline_trackers
 import task
 import train
 from configs import parse_config
-from models import amp_setup, autocast, build_model, build_optimizer
+from machinery.precision import amp_setup, autocast
+from models import build_model, build_optimizer
 
 STEPS = 4  # N; the second run has 3N (counts are exact: a few steps suffice)
 # What the loop may add per micro-batch: the loss kept for the log point's mean, loss.detach(). A

@@ -113,20 +113,21 @@ def test_lr_find_in_train_py_is_one_line_naming_lr_find_py(tmp_path, monkeypatch
 
 def test_compile_reduce_overhead_is_recorded_and_says_what_runs_off_cuda(tmp_path, monkeypatch, capsys):
     """--compile MODE is torch.compile's mode, recorded in config.json; off CUDA, where there are no CUDA
-    graphs, one start-up line says the default mode runs instead. (Module.compile is recorded, not run: a
-    real compile takes a C++ compiler and tens of seconds; tests/test_cuda.py compiles for real.)"""
+    graphs, one start-up line says the default mode runs instead. (torch.compile is recorded, not run: a
+    real compile takes a C++ compiler and tens of seconds; tests/test_compile.py traces with dynamo's eager
+    backend, tests/test_cuda.py compiles for real.)"""
     import json
 
     import torch
 
     modes = []
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs["mode"]))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: modes.append(kwargs["mode"]) or fn)
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--compile", "reduce-overhead", "--out-dir",
                               tmp_path)
     assert code == 0, err
-    assert modes == ["default"]
+    assert modes == ["default", "default"]  # the training forward, the evaluation forward
     assert ("--compile reduce-overhead: CUDA graphs need a CUDA device; on cpu, torch.compile's default "
             "mode runs instead") in out
     assert json.loads((tmp_path / "config.json").read_text())["compile"] == "reduce-overhead"
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--compile", "--out-dir", tmp_path / "plain")
-    assert code == 0 and modes == ["default", "default"] and "CUDA graphs" not in out
+    assert code == 0 and modes == ["default"] * 4 and "CUDA graphs" not in out
