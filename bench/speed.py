@@ -40,6 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import task
+from bench import image_files
 from configs import Config, UserError, parse_config
 from machinery import precision, processes
 from machinery.batches import Batches, ImageSteps, Serving
@@ -48,7 +49,8 @@ from models import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 TARGETS = {"loop_vs_bare": ">= 0.97", "loader_speedup": ">= 10", "lr_find_overhead": "<= 1.05",
-           "host_loop_vs_bare": ">= 0.97", "host_lr_find_overhead": "<= 1.05"}
+           "host_loop_vs_bare": ">= 0.97", "host_lr_find_overhead": "<= 1.05",
+           "image_files_vs_tensors": ">= 0.95"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -445,6 +447,8 @@ def table(result: dict) -> str:
 
     details = result["details"]
     loop, host, loader, cifar = details["loop"], details["host_bound"], details["loader"], details["cifar10"]
+    files = details["image_files"]
+    served = {name: spread(rates) for name, rates in files["images_per_second"].items()}
     graphs = result["cuda_graphs_speedup"]
     lines = [
         f"bench on {result['device']}: torch {result['torch_version']}, {result['threads']} threads "
@@ -474,6 +478,15 @@ def table(result: dict) -> str:
             "lr_find's yardstick"),
         row("  device-resident loader img/s", loader["device_images_per_second"], ",.0f"),
         row("  DataLoader (2 workers) img/s", loader["dataloader_images_per_second"], ",.0f"),
+        row("image_files_vs_tensors", spread(files["ratios"]["vs_tensors"]), ".3f",
+            TARGETS["image_files_vs_tensors"]),
+        row("image_files_vs_streamed", spread(files["ratios"]["vs_streamed"]), ".1f",
+            "the 2-worker DataLoader's per-file read"),
+        row("  decoded, from the cache img/s", served["cached"], ",.0f", "epochs 2+, batch 64, 32 px"),
+        row("  the same as tensors img/s", served["tensors"], ",.0f"),
+        row("  the files, 2 workers img/s", served["streamed"], ",.0f"),
+        f"{'  decode pass s':<34}{files['decode_seconds']:>12.2f}  {files['files']:,} JPEG files (96 px), "
+        f"and a tenth as many val ones; a later run's cache read {files['cache_seconds']:.2f} s",
         row("images/s resnet_small digits", result["details"]["default"], ",.0f",
             f"bare loop, batch {loop['batch_size']}, {result['threads']} threads"),
         f"{'images/s resnet9 cifar10 preset':<34}{result['images_per_second']['cifar10']:>12,.0f}"
@@ -516,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         return value
 
     with torch_threads(ratio_threads):
+        files = phase("image_files", lambda: image_files.measure(
+            device, 600 if quick else 5_000, repeats=min(args.repeats, 3)))
         loop = phase("loop_and_lr_find", lambda: measure_loop(
             args.device, device, epochs=2 if quick else 8, repeats=args.repeats,
             lr_find_iters=20 if quick else 50))
@@ -544,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         "lr_find_overhead": loop["lr_find_overhead"]["median"],
         "host_loop_vs_bare": host["host_loop_vs_bare"]["median"],
         "host_lr_find_overhead": host["host_lr_find_overhead"]["median"],
+        # image files decoded once, served from their cache from epoch 2 on, over the same images as tensors
+        "image_files_vs_tensors": statistics.median(files["ratios"]["vs_tensors"]),
+        "image_files_vs_streamed": statistics.median(files["ratios"]["vs_streamed"]),
+        "image_files_decode_seconds": files["decode_seconds"],
         "host_ema_cost": host["host_ema_cost"]["median"],  # train.py --ema's CPU per step over without
         # the default setup's optimizer steps per second: bare loop and train.py (images/s / batch)
         "steps_per_second": {"bare": loop["bare_steps_per_second"]["median"],
@@ -567,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "details": {"loop": loop, "host_bound": host, "loader": loader, "default": default,
-                    "cifar10": cifar_details},
+                    "cifar10": cifar_details, "image_files": files},
     }
     result["seconds"] = time.perf_counter() - started
     result["phase_seconds"] = phases

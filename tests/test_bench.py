@@ -72,6 +72,16 @@ def test_quick_bench_writes_all_keys(tmp_path, script):
         [f / b for f, b in zip(host["lr_find_us_per_step"]["runs"], host["fresh_bare_us_per_step"]["runs"],
                                strict=True)])
     assert host["steps"] == 20 and host["find_iters"] == 50 and host["pairs"] == 1
+    # Image files (issue 48): served decoded from their cache, over the same images as tensors and over the
+    # files read by workers, epoch by epoch; the decode pass and the cache read timed.
+    files = details["image_files"]
+    rates = files["images_per_second"]
+    for other in ("tensors", "streamed"):
+        ratios = [c / o for c, o in zip(rates["cached"], rates[other], strict=True)]
+        assert files["ratios"][f"vs_{other}"] == pytest.approx(ratios) and len(ratios) == min(repeats, 3)
+        assert report[f"image_files_vs_{other}"] == pytest.approx(statistics.median(ratios))
+    assert files["files"] == 600 and 0 < files["cache_seconds"] < files["decode_seconds"]
+    assert report["image_files_decode_seconds"] == files["decode_seconds"]
     assert all(100 < v < 100_000 for v in host_bare + host_train)  # microseconds of one thread's step
     # Steps/s are the images/s over the batch; the CUDA-graphs figure is CUDA's alone.
     assert report["steps_per_second"] == {"bare": loop["bare_steps_per_second"]["median"],
