@@ -126,7 +126,7 @@ def export_model(model: torch.nn.Module, batches, path: Path, metadata: dict, *,
     size = sum(f.stat().st_size for f in path.parent.iterdir()) / 2**20
     ours, theirs = speed(raw, deployed), speed(raw, run)
     tool = "onnxruntime" if path.suffix == ".onnx" else "torch.export.load"
-    return (f"{written}, {size:.1f} MiB, made in {exported:.1f} s; checked in {checked:.1f} s with {tool} "
+    return (f"{written}, {size:.1f} MiB, made in {exported:.1f} s; checked in {checked:.2f} s with {tool} "
             f"against PyTorch on the split's first {n} examples (batches of {n}, 1 and {ODD_BATCH}): {said}; "
             f"{theirs * 1e3:.3f} ms an example (PyTorch {ours * 1e3:.3f} ms)")
 
