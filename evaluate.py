@@ -1,7 +1,8 @@
 """Use a saved model: `python evaluate.py [--checkpoint runs/x/best.pt] [--split test]` runs a split once
 through it and writes eval.json beside it; `--predict PATH` predicts images with it instead, into
-predictions.csv. Both build the model and read the data as its run did (its checkpoint keeps how), and
-train nothing. In your own code, `load_trained(path)` gives the model a checkpoint holds.
+predictions.csv; `--export model.onnx` (or model.pt2) writes it as one file other runtimes load. Each
+builds the model and reads the data as its run did (its checkpoint keeps how), and trains nothing. In
+your own code, `load_trained(path)` gives the model a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from configs.resolve import evaluated_config
 from machinery import checkpoints, logs, processes, stops
 from machinery.batches import Batches, ImageSteps, Serving
 from machinery.contract import check_model
+from machinery.export import export_model, staged
 from machinery.image_files import IMAGE_SUFFIXES, ImageFiles, UnreadableImage, csv_rows
 from machinery.image_files import printable as named
 from machinery.placement import workers
@@ -31,22 +33,11 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     """The --split (val or test) once through the model in --checkpoint (a train.py checkpoint, or a plain
     state_dict with the model and data given as flags). Writes eval.json and the task's pictures next to
     the checkpoint (or into an --out-dir `given` here)."""
-    path = Path(cfg.checkpoint)
-    if not path.is_file():
-        raise UserError(f"--checkpoint {path}: no such file (a best.pt, last.pt or state_dict); train first "
-                        "or pass --checkpoint PATH")
-    ckpt = checkpoints.load_checkpoint(path)
-    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check, cfg as given
-    if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
-        print(edited)
-    cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
+    cfg, ckpt, path, ours = opened(cfg, given, task)
     rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
     splits, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=False)
     with splits:
-        if cfg.split == "test" and splits.test is None:
-            raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ "
-                            "folder beside train/ and val/; csv: a test.csv); evaluate --split val")
-        batches = splits.test if cfg.split == "test" else splits.val
+        batches = chosen_split(splits, cfg)
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
         if ours and cfg.split in checkpoints.changed_files(ckpt.get("data") or {}, info.data_record()):
             raise UserError(f"--split {cfg.split}: its files are not those {path}'s run was trained and "
@@ -65,6 +56,28 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     if rank == 0:
         print(*shared, sep="\n")
         logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
+
+
+def opened(cfg: Config, given: dict, task) -> tuple[Config, dict, Path, bool]:
+    """--checkpoint loaded (checked against task.py where it is train.py's), and the config its model and
+    data are built with: its run's, or for a plain state_dict the flags'; its path, whether it is ours."""
+    path = Path(cfg.checkpoint)
+    if not path.is_file():
+        raise UserError(f"--checkpoint {path}: no such file (a best.pt, last.pt or state_dict); train first "
+                        "or pass --checkpoint PATH")
+    ckpt = checkpoints.load_checkpoint(path)
+    ours = isinstance(ckpt.get("config"), dict)  # else a plain state_dict: no task to check, cfg as given
+    if ours and (edited := checkpoints.check_task(ckpt, path, task, "evaluate it with its own task.py")):
+        print(edited)
+    cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
+    return cfg, ckpt, path, ours
+
+
+def chosen_split(splits, cfg: Config):
+    if cfg.split == "test" and splits.test is None:
+        raise UserError(f"--split test: {cfg.dataset} here has no test split (imagefolder: a test/ "
+                        "folder beside train/ and val/; csv: a test.csv); use --split val")
+    return splits.test if cfg.split == "test" else splits.val
 
 
 @torch.no_grad()
@@ -95,6 +108,25 @@ def predict(cfg: Config, given: dict, task=default_task) -> None:
     header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+
+
+def export(cfg: Config, given: dict, task=default_task) -> None:
+    """--export FILE (.onnx or .pt2): the model in --checkpoint as one file another runtime loads, the
+    steps its inputs got inside (it takes uint8 images as --predict reads them), made and checked on the
+    CPU against the PyTorch model on --split's first examples; kept only if they agree."""
+    target = Path(cfg.export)
+    with staged(target) as path:  # the suffix, the packages and the folder checked first
+        cfg, ckpt, checkpoint, _ = opened(cfg, given, task)
+        splits, info, model = setup(cfg, task, torch.device("cpu"), fresh=False)
+        with splits:
+            batches = chosen_split(splits, cfg)
+            checkpoints.check_classes(ckpt, checkpoint, info.names, "export it with the data it was trained "
+                                      "on")
+            load_weights(model, ckpt, len(info.names), f"--checkpoint {checkpoint}", new_head=False)
+            metadata = {"names": info.names, "task": task.NAME, "checkpoint": str(checkpoint),
+                        "step": ckpt.get("step"), **({"images": info.reading} if info.reading else {})}
+            said = export_model(model.eval(), batches, path, metadata, classes=task.TARGETS == "classes")
+    print(f"{target}: {said}")
 
 
 def predicted(model: torch.nn.Module, images: torch.Tensor, tta: str) -> torch.Tensor:
@@ -166,7 +198,9 @@ def main() -> None:
     with stops.one_line("; nothing was written: run the command again"):
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
         cfg = Config(**given)
-        (predict if cfg.predict else evaluate_checkpoint)(cfg, given)
+        if cfg.predict and cfg.export:
+            raise UserError("--predict and --export are two commands: give one of them")
+        (export if cfg.export else predict if cfg.predict else evaluate_checkpoint)(cfg, given)
 
 
 if __name__ == "__main__":

@@ -266,6 +266,9 @@ def main() -> None:
         if given.get("predict"):
             raise UserError("--predict is evaluate.py's: `python evaluate.py --predict PATH --checkpoint "
                             "runs/x/best.pt`")
+        if given.get("export"):
+            raise UserError("--export is evaluate.py's: `python evaluate.py --export model.onnx --checkpoint "
+                            "runs/x/best.pt`")
         train(Config(**given), given)
 
 

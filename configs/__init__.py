@@ -167,6 +167,10 @@ class Config:
                          limits="> 0")
     tta: str = setting("none", "--predict: flip averages each image's outputs with its mirror image's",
                        choices=("none", "flip"))
+    export: str = setting("", "evaluate.py: write the model to this file instead, model.onnx (ONNX) or "
+                          "model.pt2 (torch.export), with its input steps inside (it takes uint8 images as "
+                          "--predict reads them), kept once it matches the PyTorch model on --split's "
+                          "examples; \"\": evaluate")
 
     def to_dict(self) -> dict:
         return asdict(self)

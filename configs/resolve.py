@@ -13,7 +13,7 @@ from configs import _FIELDS, OUT_DIR_RESUMES, Config, UserError, _convert, valid
 MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
                         "find_end_lr", "find_iters", "find_method", "device", "compile", "out_dir",
                         "log_every", "save_every", "early_stop", "min_delta", "resume", "allow_more_epochs",
-                        "checkpoint", "split", "predict", "top_k", "tta", "dist_timeout", "log_to",
+                        "checkpoint", "split", "predict", "top_k", "tta", "export", "dist_timeout", "log_to",
                         "log_model")
 # What cannot move the best learning rate (paths, devices, the schedule's shape, how a run is watched):
 # --lr auto compares every other setting with the config its sweep measured.
@@ -25,7 +25,7 @@ LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not dep
 # The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "image_cache", "amp",
                        "out_dir", "dist_timeout")
-MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta")
+MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: dict | None = None) -> Config:

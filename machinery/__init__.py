@@ -15,4 +15,5 @@ precision    how the model computes: AMP, --compile (training and evaluation eac
 logs         TensorBoard, summary.json and eval.json, predictions.csv, what a run prints
 pictures     image grids and the confusion matrix, drawn as arrays
 lr_auto      --lr auto: the rate lr_find.py saved, if it fits this run
+export       evaluate.py --export: the model with its input steps inside, ONNX or torch.export, checked
 """

@@ -87,6 +87,8 @@ PYTHON_BLOCKS = {
     "OPTIMIZERS = {": "test_models.py::test_the_readme_lists_the_registries_as_they_are",
     "from evaluate import load_trained  # from the template's folder: it builds the model as train.py does":
         "test_docs.py::test_the_load_trained_lines_run",
+    "import onnxruntime  # with numpy and pillow: torch is not needed to run the model":
+        "test_export.py::test_the_docs_onnxruntime_lines_run",
 }
 
 SHELL = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "tensorboard ")

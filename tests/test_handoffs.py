@@ -250,9 +250,10 @@ def test_lr_auto_compares_every_setting_unless_it_is_named_as_keeping_the_rate()
         shown = f"{field.name}: 'something else' -> {getattr(base, field.name)!r}"
         assert differences(swept, base, KEEPS_LR) == [shown], field.name
     assert set(KEEPS_LR) == {
-        "data_dir", "synthetic_val_size", "loader", "num_workers", "lr", "schedule", "epochs",
+        "data_dir", "synthetic_val_size", "loader", "num_workers", "image_cache", "lr", "schedule", "epochs",
         "warmup_epochs",
         "step_size", "gamma", "min_lr_ratio", "pct_start", "div_factor", "final_div_factor", "find_start_lr",
         "find_end_lr", "find_iters", "find_method", "device", "channels_last", "compile", "seed", "out_dir",
         "log_every", "save_every", "resume", "allow_more_epochs", "predict", "checkpoint", "top_k", "tta",
-        "early_stop", "min_delta", "ema", "split", "dist_timeout", "deterministic", "log_to", "log_model"}
+        "export", "early_stop", "min_delta", "ema", "split", "dist_timeout", "deterministic", "log_to",
+        "log_model"}

@@ -164,8 +164,8 @@ def test_evaluate_split_test_on_data_without_one_is_one_line(tmp_path, monkeypat
     code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", tmp_path / "run" / "best.pt",
                               "--split", "test")
     assert code == 2 and err == ("error: --split test: imagefolder here has no test split (imagefolder: "
-                                 "a test/ folder beside train/ and val/; csv: a test.csv); evaluate "
-                                 "--split val\n")
+                                 "a test/ folder beside train/ and val/; csv: a test.csv); use --split "
+                                 "val\n")
 
 
 def test_a_resume_on_other_splits_is_refused(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,277 @@
+"""Issue 50: `evaluate.py --export model.onnx|model.pt2` writes a checkpoint's model as one file another
+runtime loads, its input steps inside (uint8 images in, as --predict reads them from files; other inputs
+as the dataset gives them), a dynamic batch axis, names and sizes in its metadata; checked against the
+PyTorch model before it is kept. Every bad case is one line, and leaves no file."""
+
+import json
+import re
+import sys
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from conftest import add_entries, run_evaluate, run_main
+from test_docs import blocks, read
+from test_faults import assert_one_line_failure
+from test_predict import image_folder
+from torchvision import transforms as T
+
+import data
+import evaluate
+import models
+import train
+from configs import Config, parse_config, parse_given
+from machinery import export
+from machinery.image_files import read_image
+
+CPU = ["--device", "cpu", "--num-workers", "0"]
+CHECKED = r"max abs difference (\S+), the top class agrees on 100.00% of them"
+
+
+def session(path) -> onnxruntime.InferenceSession:
+    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def metadata(path) -> dict:
+    """An export's metadata, its JSON values read: ONNX metadata_props, a .pt2's metadata.json."""
+    if path.suffix == ".pt2":
+        extra = {"metadata.json": ""}
+        torch.export.load(path, extra_files=extra)
+        return json.loads(extra["metadata.json"])
+    plain = ("checkpoint", "task")  # text as it is
+    return {key: value if key in plain else json.loads(value)
+            for key, value in session(path).get_modelmeta().custom_metadata_map.items()}
+
+
+def exported(monkeypatch, capsys, checkpoint, target) -> str:
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", checkpoint, "--export", target, *CPU)
+    assert code == 0, err
+    assert sorted(p.name for p in target.parent.iterdir() if p.name.startswith(".")) == [], "a staging folder"
+    return out
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """The default model on digits, one epoch."""
+    out = tmp_path_factory.mktemp("digits")
+    train.train(parse_config([*CPU, "--epochs", "1", "--width", "8", "--out-dir", str(out / "run")]))
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """An RGB image folder (20x20 files, read at 16 px), two epochs, exported to ONNX: the run's folder,
+    the images' folder, the run's summary and the exported file."""
+    out = tmp_path_factory.mktemp("folder")
+    root = image_folder(out / "images")
+    summary = train.train(parse_config([*CPU, "--dataset", "imagefolder", "--data-dir", str(root),
+                                        "--image-size", "16", "--epochs", "2", "--batch-size", "8", "--width",
+                                        "8", "--lr", "0.05", "--out-dir", str(out / "run")]))
+    given = parse_given(["--checkpoint", str(out / "run" / "best.pt"), "--export", str(out / "model.onnx"),
+                         *CPU])
+    evaluate.export(Config(**given), given)
+    return out / "run", root, summary, out / "model.onnx"
+
+
+def val_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """digits' val split as the dataset gives it: uint8 [144, 1, 8, 8] images and their labels."""
+    return data.digits(Config()).val
+
+
+@pytest.mark.parametrize("suffix", [".onnx", ".pt2"])
+def test_a_digits_model_exports_and_computes_what_pytorch_computes(suffix, digits_run, tmp_path, monkeypatch,
+                                                                   capsys):
+    """The printed check, then our own: raw uint8 images through the file and the same images normalized
+    by hand through load_trained's model agree to 1e-4 with the same classes, in batches of 144, 1 and 7;
+    the metadata names the classes, the inputs and the step."""
+    target = tmp_path / f"model{suffix}"
+    out = exported(monkeypatch, capsys, digits_run / "best.pt", target)
+    assert out.startswith(f"{target}: ") and "first 144 examples (batches of 144, 1 and 7)" in out
+    assert float(re.search(CHECKED, out).group(1)) <= 1e-4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # one self-contained file
+    model, ckpt = evaluate.load_trained(digits_run / "best.pt")
+    read_as = ckpt["inputs"]["reading"]
+    mean, std = (torch.tensor(read_as[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    images, _ = val_digits()
+    if suffix == ".onnx":
+        runner = session(target)
+        assert [(i.name, i.shape, i.type) for i in runner.get_inputs()] == [
+            ("images", ["batch", 1, 8, 8], "tensor(uint8)")]
+
+        def run(x):
+            return torch.from_numpy(runner.run(None, {"images": x.numpy()})[0])
+    else:
+        run = torch.export.load(target).module()
+    meta = metadata(target)
+    assert meta["names"] == list("0123456789") and meta["step"] == ckpt["step"]
+    assert meta["task"] == "classification" and meta["checkpoint"] == str(digits_run / "best.pt")
+    assert meta["inputs"] == {"images": {"shape": ["N", 1, 8, 8], "dtype": "uint8"}}
+    assert meta["images"] == read_as and meta["outputs"] == ["outputs"]
+    for rows in (slice(0, 144), slice(0, 1), slice(3, 10)):
+        with torch.no_grad():
+            want, got = model((images[rows].float() / 255 - mean) / std), run(images[rows])
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-4
+        assert torch.equal(got.argmax(1), want.argmax(1))
+
+
+def test_weights_past_what_one_file_holds_go_beside_it_and_load(digits_run, tmp_path, monkeypatch, capsys):
+    """Over 2 GB (here forced: ONNXProgram.save's own rule) the weights go in model.onnx.data, written in
+    the staging folder under its final name, moved beside model.onnx, which onnxruntime then loads."""
+    save = torch.onnx.ONNXProgram.save
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", lambda self, to: save(self, to, external_data=True))
+    exported(monkeypatch, capsys, digits_run / "best.pt", tmp_path / "model.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert (tmp_path / "model.onnx").stat().st_size < 100_000 < (tmp_path / "model.onnx.data").stat().st_size
+    images, _ = val_digits()
+    assert session(tmp_path / "model.onnx").run(None, {"images": images[:7].numpy()})[0].shape == (7, 10)
+
+
+def test_an_image_folder_export_scores_the_runs_val_accuracy_on_decoded_files(folder_run):
+    """onnxruntime fed the val folder's files, decoded by PIL and read as --predict reads them (short side
+    to 16, center crop, uint8 CHW), scores exactly the run's best val accuracy."""
+    run, root, summary, target = folder_run
+    runner, names = session(target), json.loads(session(target).get_modelmeta().custom_metadata_map["names"])
+    read_as = T.Compose([T.Resize(16), T.CenterCrop(16), T.PILToTensor()])
+    files = sorted((root / "val").rglob("*.png"))
+    pixels = torch.stack([read_as(read_image(str(f))) for f in files])
+    logits = torch.from_numpy(runner.run(None, {"images": pixels.numpy()})[0])
+    right = [names[i] == f.parent.name for i, f in zip(logits.argmax(1), files, strict=True)]
+    assert len(files) == 12 and sum(right) / len(files) == summary["best_val_acc"]
+    model, ckpt = evaluate.load_trained(run / "best.pt")  # and the logits are the PyTorch model's
+    mean, std = (torch.tensor(ckpt["inputs"]["reading"][k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        assert (model((pixels / 255 - mean) / std) - logits).abs().max() <= 1e-4
+
+
+def test_the_docs_onnxruntime_lines_run(folder_run, capsys):
+    """docs/training.md's onnxruntime lines (numpy and PIL, no torch) on each val file of the folder run
+    (20x20 files read at 16 px): the pixels they read are --predict's, to the last bit, and the classes
+    they print score the run's best val accuracy."""
+    _, root, summary, target = folder_run
+    block = next(body for lang, body in blocks(read("docs/training.md"))
+                 if lang == "python" and "onnxruntime" in body)
+    files, read_as = sorted((root / "val").rglob("*.png")), T.Compose([T.Resize(16), T.CenterCrop(16)])
+    for file in files:
+        scope = {}
+        exec(block.replace("runs/pets/model.onnx", str(target)).replace("my_images/val/3/014.png", str(file)),
+             scope)
+        assert (scope["pixels"] == np.asarray(read_as(read_image(str(file))))).all(), file
+    printed = capsys.readouterr().out.split()
+    right = [name == file.parent.name for name, file in zip(printed, files, strict=True)]
+    assert len(printed) == len(files) and sum(right) / len(files) == summary["best_val_acc"]
+
+
+@pytest.mark.parametrize("model, resize, suffix", [("resnet18", 0, ".pt2"), ("squeezenet1_1", 17, ".onnx")])
+def test_a_torchvision_model_exports(model, resize, suffix, tmp_path, monkeypatch, capsys):
+    """resnet18 takes the 16 px images as they are; squeezenet1_1 needs 17 px: the resize the run did on
+    the device is in the graph (onnxruntime's Resize matches torch's bilinear one), which still takes the
+    16 px images. (resnet18 as .pt2: its ONNX export takes 3x longer, the path the others test.)"""
+    code, _, err = run_main(monkeypatch, capsys, *CPU, "--dataset", "synthetic", "--synthetic-size", "64",
+                            "--num-classes", "3", "--batch-size", "32", "--model", model, "--epochs", "1",
+                            "--lr", "0.01", "--out-dir", tmp_path / "run")
+    assert code == 0, err
+    out = exported(monkeypatch, capsys, tmp_path / "run" / "best.pt", tmp_path / f"model{suffix}")
+    assert "first 16 examples" in out and re.search(CHECKED, out), out
+    meta = metadata(tmp_path / f"model{suffix}")
+    assert meta["images"]["resize"] == resize
+    assert meta["inputs"] == {"images": {"shape": ["N", 3, 16, 16], "dtype": "uint8"}}
+
+
+@pytest.mark.parametrize("dataset, suffix, names", [("pairs", ".onnx", ["inputs_0", "inputs_1"]),
+                                                    ("pairs_dict", ".pt2", ["inputs_image", "inputs_table"])])
+def test_a_two_input_fork_exports_each_input_as_one_argument(dataset, suffix, names, tmp_path, monkeypatch,
+                                                             capsys):
+    """The fork of tests/test_several_inputs.py: an 8x8 uint8 image (normalized inside) and 4 floats, one
+    graph input each; fed the val split as the dataset gives it, the file scores the run's accuracy."""
+    add_entries(monkeypatch, "two_inputs_data", "two_inputs_model")
+    cfg = parse_config(["--dataset", dataset, "--model", "twoinputnet", "--width", "8", "--synthetic-size",
+                        "256", "--batch-size", "32", "--epochs", "2", "--lr", "0.05", *CPU, "--out-dir",
+                        str(tmp_path / "run")])
+    summary = train.train(cfg)
+    target = tmp_path / f"model{suffix}"
+    exported(monkeypatch, capsys, tmp_path / "run" / "best.pt", target)
+    inputs, labels = data.DATASETS[dataset](cfg).val
+    parts = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    if suffix == ".onnx":
+        runner = session(target)
+        assert [(i.name, i.type) for i in runner.get_inputs()] == [(names[0], "tensor(uint8)"),
+                                                                   (names[1], "tensor(float)")]
+        feed = {name: t.numpy() for name, t in zip(names, parts, strict=True)}
+        logits = torch.from_numpy(runner.run(None, feed)[0])
+    else:
+        logits = torch.export.load(target).module()(*parts)
+    assert (logits.argmax(1) == labels).float().mean().item() == pytest.approx(summary["best_val_acc"])
+
+
+def unexportable(self, x):  # a Python branch on a tensor's values: torch.export cannot trace it
+    outputs = torch.nn.Sequential.forward(self, x)
+    if x.sum() > 0:
+        return outputs
+    return -outputs
+
+
+def wrong_steps(self, i, x):  # a graph that feeds the model raw pixels, as a hand-made export would
+    return x.float()
+
+
+BAD = {  # name: (extra arguments, the target's name, what to patch, the line's words)
+    "an unknown suffix": ([], "model.h5", None, "--export {target}: .h5 is no format here; name the file "
+                                                "model.onnx (ONNX, for onnxruntime) or model.pt2"),
+    "no folder there": ([], "missing/model.onnx", None, "--export {target}: cannot write in"),
+    "a file as the folder": ([], "best.pt/model.onnx", None, "--export {target}: cannot write in"),
+    "a folder as the file": ([], "best.onnx", "folder", "--export {target}: a folder; give a file name"),
+    "onnxscript not installed": ([], "model.onnx", "onnxscript", "--export .onnx needs onnxscript, not "
+                                 "installed here: pip install onnx onnxscript onnxruntime"),
+    "a model torch.export cannot trace": (
+        [], "model.pt2", "forward", "--export: the model cannot be exported: GuardOnDataDependentSymNode: "
+        "Could not guard on data-dependent expression"),
+    "an export that differs": ([], "model.pt2", "steps", "--export: the exported model's outputs differ "
+                               "from the PyTorch model's (max abs difference"),
+    "--predict too": (["--predict", "x.png"], "model.onnx", None, "--predict and --export are two commands"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_each_bad_case_is_one_line_and_leaves_no_file(case, digits_run, tmp_path, monkeypatch, capsys):
+    more, name, patch, said = BAD[case]
+    (tmp_path / "best.pt").write_bytes(b"")  # a file where a folder is asked for
+    target = tmp_path / name
+    if patch == "folder":
+        target.mkdir()
+    if patch == "onnxscript":
+        monkeypatch.setitem(sys.modules, "onnxscript", None)  # `import onnxscript` raises ImportError
+    if patch == "forward":
+        monkeypatch.setattr(models.ResNetSmall, "forward", unexportable)
+    if patch == "steps":
+        monkeypatch.setattr(export.Deployed, "prepared", wrong_steps)
+    before = sorted(tmp_path.rglob("*"))
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", digits_run / "best.pt", "--export",
+                                  target, *more, *CPU)
+    line = assert_one_line_failure(code, out, err)
+    assert said.format(target=target) in line, line
+    assert sorted(tmp_path.rglob("*")) == before  # no file, no staging folder
+    if patch == "forward":  # the line names the user's line the exporter stopped at
+        assert "at test_export.py:" in line, line
+        assert "in unexportable: `if x.sum() > 0:`" in line
+
+
+def test_train_refuses_export_in_one_line(tmp_path, monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, "--export", tmp_path / "model.onnx", "--out-dir", tmp_path)
+    assert "--export is evaluate.py's" in assert_one_line_failure(code, out, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_check_compares_classes_only_where_the_task_has_them():
+    """Outputs within the tolerance pass as numbers (a regression's); a classifier's top class must agree
+    too, and one example whose class flips within the tolerance is refused."""
+    raw, reference = torch.zeros(8, 2), {None: torch.tensor([[1.0, 1.0 - 1e-6]] * 8)}
+
+    def run(x):
+        return [torch.tensor([[1.0 - 2e-6, 1.0 - 1e-6]] * len(x))]
+
+    assert export.check(run, raw, reference, classes=False) == "max abs difference 2.0e-06"
+    with pytest.raises(export.UserError, match=r"max abs difference 2.0e-06, the top class agrees on 0.00%"):
+        export.check(run, raw, reference, classes=True)
+    with pytest.raises(export.UserError, match=r"max abs difference 2.0e-04"):
+        export.check(lambda x: [torch.tensor([[1.0 - 2e-4, 1.0]] * len(x))], raw, reference, classes=False)
