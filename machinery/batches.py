@@ -26,7 +26,7 @@ from machinery.image_files import ImageFiles
 from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note
 from machinery.inputs import Examples, described, each, members, named, rows, take, total_bytes
 from machinery.placement import Placement
-from machinery.signals import worker_init
+from machinery.signals import SIGNALS, worker_init
 
 
 @dataclass
@@ -218,7 +218,8 @@ class Batches:
                 pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
                 worker_init_fn=worker_init, generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
-        return iter(self._loader)
+        with SIGNALS.held_while_forking():  # its workers start here, on the first pass
+            return iter(self._loader)
 
     def denormalize(self, inputs) -> torch.Tensor:
         """A batch's (first) image input as the model gets it, back to pixel values in [0, 1], to look at."""

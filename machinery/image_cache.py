@@ -27,7 +27,7 @@ from machinery import processes
 from machinery.files import write_atomic
 from machinery.image_files import READER_VERSION, ImageFiles, printable
 from machinery.logs import progress_bar
-from machinery.signals import worker_init
+from machinery.signals import SIGNALS, worker_init
 
 MAGIC = b"tt-img01"  # a cache file's first bytes, then the header's length and the header (JSON)
 PAGE = 4096  # the pixels start at a page boundary, so that they map
@@ -132,7 +132,9 @@ def _decode(files: ImageFiles, missing: list[int], into: torch.Tensor, split: st
     done = 0
     try:
         with progress_bar(len(missing), 0, f"decoding {split} images") as bar:
-            for batch in loader:
+            with SIGNALS.held_while_forking():  # the workers start
+                batches = iter(loader)
+            for batch in batches:
                 into[torch.tensor(missing[done:done + len(batch)])] = batch
                 done += len(batch)
                 bar.update(len(batch))

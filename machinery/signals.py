@@ -60,6 +60,16 @@ class Signals:
         finally:
             self.mode = before
 
+    @contextlib.contextmanager
+    def held_while_forking(self):
+        """A signal in the block (DataLoader workers starting) is noted, then acted on after it: raised
+        inside a fork's at-fork callbacks (logging's lock), it was only printed, in a traceback of 8 lines."""
+        before, first = self.mode, not self.received
+        with self.in_mode("hold"):
+            yield
+        if before == "raise" and first and self.received:
+            raise Interrupted(self.received)
+
     def _handle(self, signum, frame):
         first = not self.received
         self.received = self.received or signum

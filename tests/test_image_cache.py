@@ -299,3 +299,34 @@ def test_torchrun_on_a_fresh_folder_decodes_each_file_once_in_all(images, tmp_pa
     read = (tmp_path / "reads").read_text().splitlines()
     assert len(read) == len(set(read)) == 27, read  # 18 train and 9 val files, each once
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+FORK_SIGNALLED = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+sent = []
+
+def signal_in_the_fork():  # a Ctrl-C that lands in the parent's at-fork callbacks, once
+    if not sent:
+        sent.append(os.kill(os.getpid(), signal.SIGINT))
+
+os.register_at_fork(after_in_parent=signal_in_the_fork)
+sys.argv = [{launch!r}, *sys.argv[1:]]
+import runpy
+runpy.run_path({launch!r}, run_name="__main__")
+"""
+
+
+def test_a_signal_while_workers_start_is_one_line(images, tmp_path):
+    """Workers fork to decode: a signal inside a fork's callbacks was printed as 'Exception ignored in
+    _releaseLock' with its traceback; held while they start, it stops the run in one line."""
+    for k in range(260):  # over four decoding batches: workers decode
+        Image.new("RGB", (9, 9), (k, 0, 0)).save(images / "train" / "a" / f"extra{k}.png")
+    script = tmp_path / "signalled.py"
+    script.write_text(FORK_SIGNALLED.format(root=str(ROOT), launch=LAUNCH[1]))
+    done = subprocess.run([sys.executable, str(script), "train.py", *FLAGS, "--data-dir", str(images),
+                           "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr[-2000:]
+    assert done.stderr.startswith("error: interrupted by SIGINT"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
