@@ -112,11 +112,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "run": run, "config": {**cfg.to_dict(), "lr": lr}, "task": task.NAME,
                 "task_source": checkpoints.task_identity(task)["source"], "data": info.data_record(),
                 "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps,
-                "trackers": tensorboard.run_ids()}
+                "trackers": tensorboard.run_ids(), "unlogged": checkpoints.unlogged(losses, counts)}
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     started, speed, seeds, val = time.perf_counter(), logs.Speed(), {}, None
-    losses, counts = [], []  # since the last log point, on the device
+    losses, counts = checkpoints.restore_unlogged(resumed, device)  # since the last log point, on the device
     stop = stops.Stops(out_dir, progress, checkpoint, tensorboard)
     with tensorboard, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
         for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):

@@ -229,6 +229,23 @@ def restore(resumed: Resumed, info, epochs: int, **objects) -> dict:
     return run
 
 
+def unlogged(losses: list, counts: list) -> dict:
+    """The loop's losses since its last log point and their normalizers, as a checkpoint keeps them (a save
+    may read the device): a run resumed between two log points logs the mean an uninterrupted run logs."""
+    return {"losses": torch.stack(losses).cpu() if losses else None,
+            "counts": [count.cpu() if isinstance(count, torch.Tensor) else count for count in counts]}
+
+
+def restore_unlogged(resumed: Resumed | None, device: torch.device) -> tuple[list, list]:
+    """The losses and normalizers `unlogged` kept, on `device`, each as the loop held it (a new run: none)."""
+    saved = resumed.state.get("unlogged") if resumed else None
+    if not saved:
+        return [], []
+    losses = [] if saved["losses"] is None else [*saved["losses"].to(device)]
+    counts = [count.to(device) if isinstance(count, torch.Tensor) else count for count in saved["counts"]]
+    return losses, counts
+
+
 def position(epoch: int, batch: int, epochs: int, batches: int) -> str:
     """Where a checkpoint continues, counted from 1 as the progress lines count."""
     if batch >= batches:

@@ -88,3 +88,32 @@ def test_metrics_csv_holds_every_point_once_across_a_crash_and_resume(tmp_path, 
     given = parse_given(["--resume", "--out-dir", str(tmp_path / "broken")])
     train.train(Config(**given), given)
     assert metric_rows(tmp_path / "broken") == straight  # each (step, tag) once, with the same values
+
+
+def test_a_resume_between_two_log_points_logs_the_loss_an_uninterrupted_run_logs(tmp_path, monkeypatch):
+    """Issue 49 (there: --save-every 7 --log-every 5, step 25): last.pt at step 4, a crash at step 6, log
+    points every 3 steps: step 6's train/loss is the mean over steps 4 to 6, as without the crash (last.pt
+    keeps the losses since the last log point)."""
+    argv = [*TINY, "--batch-size", "8", "--epochs", "1", "--log-every", "3", "--save-every", "4"]  # 8 steps
+    train.train(parse_config([*argv, "--out-dir", str(tmp_path / "straight")]))
+    with crash_at_step(monkeypatch, 6):
+        train.train(parse_config([*argv, "--out-dir", str(tmp_path / "broken")]))
+    assert checkpoints.load_checkpoint(tmp_path / "broken" / "last.pt")["step"] == 4
+    given = parse_given(["--resume", "--out-dir", str(tmp_path / "broken")])
+    train.train(Config(**given), given)
+    logged = {}
+    for run in ("straight", "broken"):
+        in_csv = [value for *point, value in metric_rows(tmp_path / run) if point == [6, "train/loss"]]
+        in_tensorboard = dict(read_scalars(tmp_path / run)["train/loss"])[6]
+        logged[run] = in_csv, in_tensorboard
+    assert logged["broken"] == logged["straight"]
+
+
+def test_the_unlogged_losses_and_their_normalizers_survive_a_weights_only_checkpoint(tmp_path):
+    losses, counts = [torch.tensor(1.5), torch.tensor(2.25)], [torch.tensor(3.0), torch.tensor(4.0)]
+    checkpoints.write_checkpoint({"unlogged": checkpoints.unlogged(losses, counts)}, tmp_path / "x.pt")
+    resumed = checkpoints.Resumed(tmp_path / "x.pt", checkpoints.load_checkpoint(tmp_path / "x.pt"))
+    kept, normalizers = checkpoints.restore_unlogged(resumed, torch.device("cpu"))
+    assert torch.equal(torch.stack(kept), torch.stack(losses)) and normalizers == counts
+    assert checkpoints.restore_unlogged(None, torch.device("cpu")) == ([], [])
+    assert checkpoints.unlogged([], [8, 8])["counts"] == [8, 8]
