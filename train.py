@@ -91,9 +91,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     processes.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # ---- Resume: every state as it was saved (the RNGs' too), on data that gives the same epochs.
-    progress = Progress(**checkpoints.restore(resumed, info, cfg.epochs, model=model, optimizer=optimizer,
-                                              scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
-                        ) if resumed else Progress()
+    progress = checkpoints.restore(resumed, info, cfg.epochs, Progress, model=model, optimizer=optimizer,
+                                   scheduler=scheduler, scaler=scaler, ema=ema and ema.average
+                                   ) if resumed else Progress()
     info.notes.append(compile_model(model, cfg.compile, device, cfg.accum_steps))  # in place: --compile
     ddp_model = processes.data_parallel(model, device)  # the model, and under torchrun its one wrapper
 
