@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from configs import UserError, first_line
+from configs import Config, UserError, command_line, first_line
 from machinery import processes
 from machinery.batches import UnreadableImage
 from machinery.checkpoints import all_finite, write_checkpoint
@@ -102,7 +102,8 @@ class Stops(contextlib.AbstractContextManager):
                              "learning rate but the data or the model (nan or inf in the inputs or targets, "
                              f"or a layer that makes them); check them, e.g. the dataset's files; {kept}")
         return UserError(f"training diverged at step {self.progress.step} ({what}; lr {float(at_lr):.3g}): "
-                         f"try a lower --lr than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` "
+                         f"try a lower --lr than {lr:.3g} in a new folder, e.g. "
+                         f"`{lower_rate_command(state['config'], self.out_dir)}`, or `python lr_find.py` "
                          f"with the same options to find one; {kept}")
 
     def resuming(self) -> str:
@@ -143,6 +144,19 @@ class Stops(contextlib.AbstractContextManager):
                     else "no checkpoint was written")
             raise UserError(f"interrupted again by {err}: stopped at once at step {step}; {left}",
                             128 + err.signum) from None
+
+
+def lower_rate_command(config: dict, out_dir: Path) -> str:
+    """The command that runs a diverged run again at a tenth of its rate, in a new folder beside out_dir: a
+    new run in out_dir would be refused where its last.pt holds the unfinished run (and its logs stay there,
+    to compare)."""
+    lr, base = float(f"{config['lr'] / 10:.2g}"), out_dir if out_dir.name else out_dir.resolve()
+    new, n = base.with_name(f"{base.name}-lr{lr:g}"), 1
+    while new.exists():
+        n += 1
+        new = base.with_name(f"{base.name}-lr{lr:g}-{n}")
+    command = command_line("train.py", Config(**{**config, "lr": lr, "out_dir": str(new)}), leave_out=())
+    return command + (" (under torchrun, with those flags)" if processes.world_size() > 1 else "")
 
 
 @contextlib.contextmanager
