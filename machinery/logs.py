@@ -52,8 +52,7 @@ class TensorBoard(contextlib.AbstractContextManager):
         with self._errors():
             earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # ...tfevents.<unix time>.<host>...
             if resumed is None and (earlier or (out_dir / METRICS_CSV).exists()):
-                stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
-                started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
+                started = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_start(earlier, out_dir)))
                 self.moved, n = out_dir / started, 1
                 while self.moved.exists():
                     n += 1
@@ -152,6 +151,24 @@ class TensorBoard(contextlib.AbstractContextManager):
 
 METRICS_CSV = "metrics.csv"
 METRICS_COLUMNS = ("step", "tag", "value", "wall_time")
+
+
+def run_start(events: list[Path], out_dir: Path) -> float:
+    """When the run that left these logs in out_dir started: the time in its first event file's name (the
+    writer's start), or else the wall_time of metrics.csv's first row (its first log point), or else that
+    file's time (a header only: written at the run's start)."""
+    times = [int(p.name.split(".")[3]) for p in events if p.name.split(".")[3].isdigit()]
+    metrics = out_dir / METRICS_CSV
+    if metrics.is_file():
+        with open(metrics, newline="", encoding="utf-8") as f:
+            rows = csv.reader(f)
+            next(rows, None)  # the header
+            first = next(rows, None)
+        try:
+            times.append(float(first[METRICS_COLUMNS.index("wall_time")]))
+        except (TypeError, IndexError, ValueError):
+            times.append(metrics.stat().st_mtime)
+    return min(times, default=time.time())
 
 
 def metrics_csv(path: Path, resumed_step: int | None):

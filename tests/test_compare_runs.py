@@ -4,6 +4,8 @@ models have none such (resnet9's global max pool runs as amax)."""
 
 import csv
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import models
 import train
 from configs import Config, parse_config, parse_given
-from machinery import checkpoints, stops
+from machinery import checkpoints, logs, stops
 
 
 @pytest.fixture
@@ -117,3 +119,19 @@ def test_the_unlogged_losses_and_their_normalizers_survive_a_weights_only_checkp
     assert torch.equal(torch.stack(kept), torch.stack(losses)) and normalizers == counts
     assert checkpoints.restore_unlogged(None, torch.device("cpu")) == ([], [])
     assert checkpoints.unlogged([], [8, 8])["counts"] == [8, 8]
+
+
+def test_a_new_run_moves_a_csv_runs_logs_into_a_folder_named_after_that_runs_start(tmp_path, monkeypatch):
+    """Issue 49: with --log-to csv there is no event file to date the old run by; its metrics.csv's first
+    row does (its first log point), or, with no row yet, the file's time, not the time of the move."""
+    argv = [*TINY, "--epochs", "1", "--log-to", "csv", "--out-dir", str(tmp_path)]
+    train.train(parse_config(argv))
+    then = time.mktime((2025, 1, 31, 12, 0, 5, 0, 0, -1))  # that run, as if it had started then
+    rows = [[step, tag, value, then + int(step)] for step, tag, value in metric_rows(tmp_path)]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["step", "tag", "value", "wall_time"], *rows])
+    train.train(parse_config(argv))
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["20250131-120006"]  # its first row: step 1
+    (tmp_path / "metrics.csv").write_text("step,tag,value,wall_time\n")  # a run stopped before its first row
+    os.utime(tmp_path / "metrics.csv", (then, then))
+    assert logs.run_start([], tmp_path) == then
