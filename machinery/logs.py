@@ -48,7 +48,18 @@ class TensorBoard(contextlib.AbstractContextManager):
         if not active:
             return
         trackers.check_installed([name for name in names if name in trackers.OPENERS])  # before any file
-        resumed_step = resumed and resumed.state["step"]
+        kept = (resumed and resumed.state.get("trackers")) or {}
+        # the trackers first: one that cannot start (such as a store two runs create at once) leaves no file
+        self.trackers = trackers.open_all(names, out_dir, {**cfg.to_dict(), "lr": lr}, kept, cfg.log_model)
+        try:
+            self._open_files(names, resumed)
+        except BaseException as err:
+            self.__exit__(type(err), err, None)  # the trackers' runs are marked as stopped
+            raise
+
+    def _open_files(self, names: list[str], resumed) -> None:
+        """An earlier run's logs moved aside (a new run), then TensorBoard's writer and metrics.csv."""
+        out_dir, resumed_step = self.out_dir, resumed and resumed.state["step"]
         with self._errors():
             earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # ...tfevents.<unix time>.<host>...
             if resumed is None and (earlier or (out_dir / METRICS_CSV).exists()):
@@ -68,10 +79,6 @@ class TensorBoard(contextlib.AbstractContextManager):
                 self.writer = SummaryWriter(str(out_dir), purge_step=purge)
             if "csv" in names:
                 self.csv = metrics_csv(out_dir / METRICS_CSV, resumed_step)
-        kept = (resumed and resumed.state.get("trackers")) or {}
-        config = {**cfg.to_dict(), "lr": lr}
-        for name in [name for name in names if name in trackers.OPENERS]:
-            self.trackers[name] = trackers.OPENERS[name](out_dir, config, kept.get(name), cfg.log_model)
 
     def run_ids(self) -> dict[str, str]:
         """Each tracker's run id, which the checkpoint keeps: a resume continues the same runs."""

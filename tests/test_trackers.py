@@ -4,6 +4,7 @@ keeps one run whose points are each there once, with the lr as a parameter."""
 
 import json
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ from test_work_kept import TINY, interrupt
 
 import train
 from configs import Config, parse_config, parse_given
-from machinery import checkpoints
+from machinery import checkpoints, trackers
 
 
 def test_an_unknown_tracker_or_a_missing_package_is_one_line_with_nothing_written(tmp_path, monkeypatch,
@@ -69,3 +70,46 @@ def test_mlflow_keeps_one_run_and_each_point_once_across_a_crash_and_resume(tmp_
     artifacts = {p.name: p for p in (tmp_path / "runs" / "mlruns").rglob("*") if p.is_file()}
     assert {"summary.json", "config.json", "best.pt"} <= set(artifacts) and not (ROOT / "mlruns").exists()
     assert artifacts["best.pt"].read_bytes() == (out / "best.pt").read_bytes()
+
+
+START_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from machinery import trackers
+import mlflow.tracking  # imported first: the runs then create the store at the same moment
+folder, ready = Path(sys.argv[1]), Path(sys.argv[1]).parent / "ready"
+ready.mkdir(exist_ok=True)
+(ready / folder.name).touch()
+while len(list(ready.iterdir())) < 2:
+    time.sleep(0.001)
+print(trackers.open_mlflow(folder, {"lr": 0.1}, None, False).run_id)
+"""
+
+
+def test_runs_started_at_once_beside_a_new_mlflow_store_each_start_their_run(tmp_path, monkeypatch):
+    """Issue 49: MLflow creates a new store's tables by migrations that break when two processes run them at
+    once; the runs beside one mlflow.db create it one after the other (trackers.one_at_a_time)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = [subprocess.Popen([sys.executable, "-c", START_AT_ONCE, str(tmp_path / f"run{i}")], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    ended = [run.communicate(timeout=120) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-300:] for _, err in ended]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("torch-template").experiment_id])
+    assert sorted(run.info.run_id for run in found) == sorted(out.strip() for out, _ in ended)
+
+
+def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_file(tmp_path, monkeypatch, capsys):
+    def migration_race(*args):
+        raise RuntimeError("Online migration expected to match one row when updating '90e64c465722' to "
+                           "'181f10493468' in 'alembic_version'; 0 found")
+
+    monkeypatch.setitem(trackers.OPENERS, "mlflow", migration_race)
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--log-to", "tensorboard,csv,mlflow", "--out-dir",
+                              tmp_path / "run")
+    line = assert_one_line_failure(code, out, err)
+    assert "--log-to mlflow: its run could not start (Online migration expected to match one row" in line
+    assert not (tmp_path / "run").exists()
