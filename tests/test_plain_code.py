@@ -157,9 +157,11 @@ def test_the_sizes_the_layout_asks_for():
     """Issue 40 asked for files of 400 lines at most (lr_find.py 600), a front of 1,250 and a core of 3,900,
     and to keep a guarantee over a number: it closed with the core at 4,668 (its note says which guarantees
     hold the rest). Issues 41 to 43 add features on that (41's 26 fixes about 200 lines, 43's trackers
-    about 150): 5,400 is their budget, not a number to reach; a fork's reading order stays about 520."""
+    about 150): 5,400 is their budget, not a number to reach; a fork's reading order stays about 520. Issue 49
+    gives lr_find.py 15 lines over its 600 for a bounded loss (NT-Xent): a curve that rises, never blows up,
+    and falls again is read up to that rise, where it suggested nothing, and the sweep's line says so."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
-    assert {file: n for file, n in lines.items() if n > (600 if file == "lr_find.py" else 400)} == {}
+    assert {file: n for file, n in lines.items() if n > (615 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
     assert sum(lines.values()) <= 5400, sum(lines.values())
 
