@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
     with stops.one_line("; lr_find wrote nothing and the model is as it was: run the command again", status=1,
-                        caught=ValueError):  # a UserError, or a bad argument of lr_find()'s
+                        caught=ValueError,  # a UserError, or a bad argument of lr_find()'s
+                        program=__name__ == "__main__"):  # called in-process: a signal goes on to the caller
         cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
                            {**CHOICES, "find_method": METHODS})
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder

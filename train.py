@@ -270,7 +270,7 @@ def load_best(model: torch.nn.Module, path: Path) -> torch.nn.Module:
 
 def main() -> None:
     with stops.one_line(" outside the training loop; every checkpoint is as it was: run the command again, "
-                        "or continue with --resume"):
+                        "or continue with --resume", program=__name__ == "__main__"):
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
         if given.get("predict"):
             raise UserError("--predict is evaluate.py's: `python evaluate.py --predict PATH --checkpoint "

@@ -160,31 +160,33 @@ def lower_rate_command(config: dict, out_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError):
+def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError, program: bool = True):
     """A script's whole run, ending in one line whatever stops it: a signal from start-up on (`after` says
     where it struck and what is as it was), a UserError (`caught`: also any ValueError, for lr_find.py) with
     its exit code (0: nothing to do, said and not an error), a failure torch reports at length (`status`).
-    Under torchrun one process says it; the folder's lock and the process group are let go in any case."""
-    try:
-        with SIGNALS.installed():
+    Under torchrun one process says it; the folder's lock and the process group are let go in any case.
+    `program` False (the script's main() called in-process): a signal then goes on to the caller's handler
+    (signals.py), after the line."""
+    with SIGNALS.installed(program=program):
+        try:
             yield
-    except caught as err:
-        code = getattr(err, "code", 2)
-        if code == 0:  # nothing to do (a complete run resumed)
-            processes.say(str(err))
-            return
-        # Under torchrun, one line from one process; a file only one rank read, from that rank.
-        if processes.rank() == 0 or isinstance(err, UnreadableImage):
-            processes.tell_torchrun(f"error: {err}")
-            exit_with_error(str(err), code)
-        raise SystemExit(code) from None
-    except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
-        if processes.rank() != 0 and not isinstance(err, KeyboardInterrupt):
-            raise  # torch's long report, from rank 0 alone
-        exit_with_error(*failure_line(err, after, status))
-    finally:
-        release_all()
-        processes.cleanup()
+        except caught as err:
+            code = getattr(err, "code", 2)
+            if code == 0:  # nothing to do (a complete run resumed)
+                processes.say(str(err))
+                return
+            # Under torchrun, one line from one process; a file only one rank read, from that rank.
+            if processes.rank() == 0 or isinstance(err, UnreadableImage):
+                processes.tell_torchrun(f"error: {err}")
+                exit_with_error(str(err), code)
+            raise SystemExit(code) from None
+        except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
+            if processes.rank() != 0 and not isinstance(err, KeyboardInterrupt):
+                raise  # torch's long report, from rank 0 alone
+            exit_with_error(*failure_line(err, after, status))
+        finally:
+            release_all()
+            processes.cleanup()
 
 
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:

@@ -156,7 +156,8 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_during_the_sweep_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, signum):
+def test_a_signal_during_the_sweep_is_one_line_and_leaves_nothing(signals_end_the_run, tmp_path, capsys,
+                                                                  monkeypatch, signum):
     """The signal arrives for real, mid-sweep: the sweep puts everything back, writes nothing, and main
     ends in one line with 128 + the signal's number."""
     real, seen = lr_find.lr_find, []

@@ -335,7 +335,8 @@ def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run,
 def test_sigterm_to_the_group_during_lr_find_with_workers_is_one_line(images, tmp_path):
     argv = ["--dataset", "imagefolder", "--data-dir", str(images), *FILES, "--num-workers", "2",
             "--find-iters", "200", "--out-dir", str(tmp_path / "out")]
-    stopped = terminated(tmp_path, f"import lr_find\nlr_find.main({argv!r})\n")
+    as_the_script = "from machinery.signals import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
+    stopped = terminated(tmp_path, f"{as_the_script}import lr_find\nlr_find.main({argv!r})\n")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert stopped.stderr == ("error: interrupted by SIGTERM; lr_find wrote nothing and the model is as it "
                               "was: run the command again\n")
