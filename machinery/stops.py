@@ -167,26 +167,28 @@ def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError
     Under torchrun one process says it; the folder's lock and the process group are let go in any case.
     `program` False (the script's main() called in-process): a signal then goes on to the caller's handler
     (signals.py), after the line."""
-    with SIGNALS.installed(program=program):
-        try:
+    try:
+        with SIGNALS.installed(program=True):  # handed on at the very end, where not `program`
             yield
-        except caught as err:
-            code = getattr(err, "code", 2)
-            if code == 0:  # nothing to do (a complete run resumed)
-                processes.say(str(err))
-                return
-            # Under torchrun, one line from one process; a file only one rank read, from that rank.
-            if processes.rank() == 0 or isinstance(err, UnreadableImage):
-                processes.tell_torchrun(f"error: {err}")
-                exit_with_error(str(err), code)
-            raise SystemExit(code) from None
-        except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
-            if processes.rank() != 0 and not isinstance(err, KeyboardInterrupt):
-                raise  # torch's long report, from rank 0 alone
-            exit_with_error(*failure_line(err, after, status))
-        finally:
-            release_all()
-            processes.cleanup()
+    except caught as err:
+        code = getattr(err, "code", 2)
+        if code == 0:  # nothing to do (a complete run resumed)
+            processes.say(str(err))
+            return
+        # Under torchrun, one line from one process; a file only one rank read, from that rank.
+        if processes.rank() == 0 or isinstance(err, UnreadableImage):
+            processes.tell_torchrun(f"error: {err}")
+            exit_with_error(str(err), code)
+        raise SystemExit(code) from None
+    except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
+        if processes.rank() != 0 and not isinstance(err, KeyboardInterrupt):
+            raise  # torch's long report, from rank 0 alone
+        exit_with_error(*failure_line(err, after, status))
+    finally:
+        release_all()
+        processes.cleanup()
+        if not program:
+            SIGNALS.hand_on()
 
 
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:
