@@ -248,20 +248,40 @@ def test_the_next_one():
 """
 
 
-@pytest.mark.parametrize("through_main", [True, False], ids=["main", "train"])
-def test_ctrl_c_during_a_run_inside_pytest_stops_the_suite(through_main, tmp_path):
-    """Issue 49: a run inside a test (train.py's main() or train() called in-process) saves and stops on
-    Ctrl-C, then passes the signal on to pytest's handler, which ends the session: no later test runs."""
+def test_ctrl_c_during_a_run_inside_pytest_stops_the_suite(tmp_path):
+    """Issue 49: a run inside a test (here train.py's main(), called in-process) saves and stops on Ctrl-C,
+    then passes the signal on to pytest's handler, which ends the session: no later test runs."""
     marker, out = tmp_path / "ran-on", tmp_path / "run"
     (tmp_path / "test_inner.py").write_text(CTRL_C_IN_A_SUITE.format(
-        root=str(ROOT), argv=[*TINY, "--epochs", "2"], out=str(out), through_main=through_main,
-        marker=str(marker)))
+        root=str(ROOT), argv=[*TINY, "--log-to", "csv"], out=str(out), through_main=True, marker=str(marker)))
     suite = subprocess.run([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "test_inner.py"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert suite.returncode == pytest.ExitCode.INTERRUPTED and "KeyboardInterrupt" in suite.stdout, (
         suite.stdout[-3000:], suite.stderr[-2000:])
     assert not marker.exists() and "interrupted at step 3; saved" in suite.stdout
     assert checkpoints.load_checkpoint(out / "last.pt")["step"] == 3
+
+
+@pytest.mark.parametrize("through_main", [True, False], ids=["main", "train"])
+def test_a_run_started_in_process_passes_ctrl_c_on_once_saved(through_main, tmp_path, monkeypatch, capsys):
+    """train.py's main() and train() called in-process stop as the script does (saved, one line), then
+    raise the KeyboardInterrupt that Python's own handler, put back, raises for the SIGINT."""
+    real, calls = train.optimizer_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "optimizer_step", step)
+    argv = [*TINY, "--log-to", "csv", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(KeyboardInterrupt):
+        train.main() if through_main else train.train(parse_config(argv))
+    assert f"interrupted at step 3; saved {tmp_path / 'last.pt'}" in capsys.readouterr().out
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's, put back
 
 @pytest.mark.parametrize("where", ["start-up", "the optimizer's building"])
 def test_ctrl_c_outside_the_loop_is_one_line(where, tmp_path, monkeypatch, capsys):
