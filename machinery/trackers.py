@@ -154,13 +154,15 @@ def one_at_a_time(folder: Path):
     disk has no such lock (Windows, some network disks), the block runs unlocked."""
     try:
         import fcntl
-    except ImportError:
+    except ImportError:  # Windows
         fcntl = None
+    if fcntl is None:
+        yield
+        return
     handle = os.open(folder, os.O_RDONLY)
     try:
-        with contextlib.suppress(OSError):
-            if fcntl:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a disk without such locks
+            fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
         os.close(handle)  # lets go of the lock
