@@ -195,7 +195,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
 
 
 def main() -> None:
-    with stops.one_line("; nothing was written: run the command again"):
+    with stops.one_line("; nothing was written: run the command again", program=__name__ == "__main__"):
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
         cfg = Config(**given)
         if cfg.predict and cfg.export:

@@ -159,6 +159,7 @@ class LRFindResult:
     group_lrs: list[list[float]] = field(default_factory=list)
     train_losses: list[float] | None = None
     why_none: str | None = None  # why there is no suggestion
+    note: str | None = None  # how the rules read the curve, where that is not plain (SuggestionCurve's)
 
     def suggest(self, method: str = "minimum") -> float | None:
         """Another rule's pick from this sweep, without re-running it (None if it gave none)."""
@@ -200,6 +201,7 @@ class SuggestionCurve:
     lowest: int
     exploded: bool  # the sweep ended in a non-finite loss, so a lowest point at the end is real
     problem: str | None  # why no rule can read this curve
+    note: str | None = None  # how the rules read it, where that is not plain (a bounded loss's curve)
 
 
 def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> SuggestionCurve:
@@ -223,7 +225,17 @@ def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> Su
         loss.append(sum(wj * yj for wj, yj in zip(w, y[lo:hi], strict=True)) / sum(w))
     lowest = min(range(first, n), key=loss.__getitem__)
     problem = "the loss never decreases" if loss[lowest] >= loss[first] else None
-    return SuggestionCurve(lrs, loss, first, lowest, exploded, problem)
+    # Still falling at the end of a sweep that never blew up: a loss that cannot blow up (bounded, such as
+    # NT-Xent) may rise past its low and fall again at higher rates, which no wider sweep changes. The rules
+    # then read the curve up to its first low after half the fall, before a rise by a quarter of it.
+    fall, low, note = loss[first] - loss[lowest], first, None
+    for k in range(first, lowest if lowest >= n - max(2, n // 20) and not exploded else first):
+        low = k if loss[k] < loss[low] else low
+        if loss[first] - loss[low] >= fall / 2 and loss[k] - loss[low] >= fall / 4 > 0:
+            lowest, note = low, (f"the loss rose after {lrs[low]:.3g} and fell again, never blowing up (a "
+                                 "bounded loss?): the rules read the curve up to that rise")
+            break
+    return SuggestionCurve(lrs, loss, first, lowest, exploded, problem, note)
 
 
 def minimum(curve: SuggestionCurve) -> float | None:
@@ -341,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0)  # under torchrun one sweep is enough: rank 0 runs it, the others leave
     warnings.filterwarnings("ignore", "lr_find: no suggestion")  # said below, in the one error line
     with stops.one_line("; lr_find wrote nothing and the model is as it was: run the command again", status=1,
-                        caught=ValueError):  # a UserError, or a bad argument of lr_find()'s
+                        caught=ValueError,  # a UserError, or a bad argument of lr_find()'s
+                        program=__name__ == "__main__"):  # called in-process: a signal goes on to the caller
         cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
                            {**CHOICES, "find_method": METHODS})
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
@@ -366,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
             wrote = save_sweep(result, record, cfg.out_dir, schedules=SCHEDULES)
         alone = "; rank 0 runs it" if world_size > 1 else ""  # said once written: `| head` may close stdout
         print(f"lr_find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e}, "
-              f"{result.stop_reason}{alone}; wrote {', '.join(map(str, wrote))}")
+              f"{result.stop_reason}{alone}{f'; {result.note}' if result.note else ''}; wrote "
+              f"{', '.join(map(str, wrote))}")
         if result.suggestion is None:
             fix = "" if result.why_none == FIRST_LOSS_NOT_FINITE else (
                 "; widen --find-start-lr/--find-end-lr or raise --find-iters, and look at lr_find.png")
@@ -429,11 +443,11 @@ def _read(curve: SuggestionCurve, rules: dict[str, str],
 
 def _result(lrs, losses, schedule, method, kind, stuck=None, **fields) -> LRFindResult:
     """Each suggestion read from ``losses`` by ``kind``'s rules (``schedule``'s by ``method`` if given)."""
-    chosen, rules = family_of(schedule), DEFAULT_RULES[kind]
-    picks, why = _read(suggestion_curve(lrs, losses), {**rules, chosen: method or rules[chosen]}, stuck)
+    chosen, rules, curve = family_of(schedule), DEFAULT_RULES[kind], suggestion_curve(lrs, losses)
+    picks, why = _read(curve, {**rules, chosen: method or rules[chosen]}, stuck)
     fields.setdefault("group_lrs", [[lr] for lr in lrs])
     return LRFindResult(lrs, losses, suggestion=picks[chosen][0], method=picks[chosen][1], schedule=schedule,
-                        suggestions=picks, optimizer_kind=kind, why_none=why, **fields)
+                        suggestions=picks, optimizer_kind=kind, why_none=why, note=curve.note, **fields)
 
 
 def _served(result: LRFindResult, schedules: Iterable[str]) -> dict[str, list[str]]:

@@ -82,9 +82,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     processes.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
-    progress = Progress(**checkpoints.restore(resumed, info, cfg.epochs, model=model, optimizer=optimizer,
-                                              scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
-                        ) if resumed else Progress()
+    progress = checkpoints.restore(resumed, info, cfg.epochs, Progress, model=model, optimizer=optimizer,
+                                   scheduler=scheduler, scaler=scaler, ema=ema and ema.average
+                                   ) if resumed else Progress()
     compiled = compile_model(model, ema.average if ema else model, cfg.compile, device, notes=info.notes,
                              accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // world_size)
     ddp_model = processes.data_parallel(compiled.training, device)  # under torchrun: its one DDP wrapper
@@ -104,11 +104,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "run": run, "config": {**cfg.to_dict(), "lr": lr}, "task": task.NAME,
                 "task_source": checkpoints.task_identity(task)["source"], "data": info.data_record(),
                 "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps,
-                "trackers": tensorboard.run_ids()}
+                "trackers": tensorboard.run_ids(), "unlogged": checkpoints.unlogged(losses, counts)}
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     started, speed, seeds, val = time.perf_counter(), logs.Speed(), {}, None
-    losses, counts = [], []  # since the last log point, on the device
+    losses, counts = checkpoints.restore_unlogged(resumed, device)  # since the last log point, on the device
     stop = stops.Stops(out_dir, progress, checkpoint, tensorboard)
     with tensorboard, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
         for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
@@ -261,7 +261,7 @@ def load_best(compiled: Compiled, path: Path) -> torch.nn.Module:
 
 def main() -> None:
     with stops.one_line(" outside the training loop; every checkpoint is as it was: run the command again, "
-                        "or continue with --resume"):
+                        "or continue with --resume", program=__name__ == "__main__"):
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
         if given.get("predict"):
             raise UserError("--predict is evaluate.py's: `python evaluate.py --predict PATH --checkpoint "

@@ -7,6 +7,7 @@ resume and evaluate.py read back.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -208,11 +209,17 @@ def changed_files(saved: dict, data: dict) -> list[str]:
     return [split for split in now if split in before and before[split] != now[split]]
 
 
-def restore(resumed: Resumed, info, epochs: int, **objects) -> dict:
+def restore(resumed: Resumed, info, epochs: int, record: type, **objects):
     """A checkpoint's states back into the run's `objects` (model, optimizer, scheduler, scaler, ema: a None
     is skipped), then its RNGs, on data (`info`: batches.DataInfo) that gives the epochs its schedule was
-    built for; one UserError line if anything does not fit. Returns where the run stands, its part counted."""
+    built for; one UserError line if anything does not fit. Returns where the run stands, its part counted,
+    as a `record` (train.Progress), which must know each of the saved run's fields."""
     check_same_data(resumed, info.data_record())
+    if unknown := sorted(set(resumed.state["run"]) - {f.name for f in dataclasses.fields(record)}):
+        raise UserError(f"checkpoint {resumed.path} was written by another version of train.py (its run "
+                        f"record holds {', '.join(unknown)}, which this train.py's {record.__name__} lacks): "
+                        "resume it with the version that wrote it (check out that commit), or start a new "
+                        f"run with another --out-dir, from its weights with --init-from {resumed.path}")
     try:
         for key, target in objects.items():
             if target is not None and resumed.state.get(key) is not None:
@@ -226,7 +233,24 @@ def restore(resumed: Resumed, info, epochs: int, **objects) -> dict:
     where = ("its training done: the test pass and summary.json next" if run.get("stopped") or
              run["epoch"] >= epochs else position(run["epoch"], run["batch"], epochs, info.batches))
     processes.say(f"resumed from {resumed.path} at step {run['step']} ({where})")
-    return run
+    return record(**run)
+
+
+def unlogged(losses: list, counts: list) -> dict:
+    """The loop's losses since its last log point and their normalizers, as a checkpoint keeps them (a save
+    may read the device): a run resumed between two log points logs the mean an uninterrupted run logs."""
+    return {"losses": torch.stack(losses).cpu() if losses else None,
+            "counts": [count.cpu() if isinstance(count, torch.Tensor) else count for count in counts]}
+
+
+def restore_unlogged(resumed: Resumed | None, device: torch.device) -> tuple[list, list]:
+    """The losses and normalizers `unlogged` kept, on `device`, each as the loop held it (a new run: none)."""
+    saved = resumed.state.get("unlogged") if resumed else None
+    if not saved:
+        return [], []
+    losses = [] if saved["losses"] is None else [*saved["losses"].to(device)]
+    counts = [count.to(device) if isinstance(count, torch.Tensor) else count for count in saved["counts"]]
+    return losses, counts
 
 
 def position(epoch: int, batch: int, epochs: int, batches: int) -> str:

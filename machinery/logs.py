@@ -48,12 +48,22 @@ class TensorBoard(contextlib.AbstractContextManager):
         if not active:
             return
         trackers.check_installed([name for name in names if name in trackers.OPENERS])  # before any file
-        resumed_step = resumed and resumed.state["step"]
+        kept = (resumed and resumed.state.get("trackers")) or {}
+        # the trackers first: one that cannot start (such as a store two runs create at once) leaves no file
+        self.trackers = trackers.open_all(names, out_dir, {**cfg.to_dict(), "lr": lr}, kept, cfg.log_model)
+        try:
+            self._open_files(names, resumed)
+        except BaseException as err:
+            self.__exit__(type(err), err, None)  # the trackers' runs are marked as stopped
+            raise
+
+    def _open_files(self, names: list[str], resumed) -> None:
+        """An earlier run's logs moved aside (a new run), then TensorBoard's writer and metrics.csv."""
+        out_dir, resumed_step = self.out_dir, resumed and resumed.state["step"]
         with self._errors():
             earlier = sorted(out_dir.glob("events.out.tfevents.*"))  # ...tfevents.<unix time>.<host>...
             if resumed is None and (earlier or (out_dir / METRICS_CSV).exists()):
-                stamps = [int(p.name.split(".")[3]) for p in earlier if p.name.split(".")[3].isdigit()]
-                started = time.strftime("%Y%m%d-%H%M%S", time.localtime(min(stamps, default=time.time())))
+                started = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_start(earlier, out_dir)))
                 self.moved, n = out_dir / started, 1
                 while self.moved.exists():
                     n += 1
@@ -69,10 +79,6 @@ class TensorBoard(contextlib.AbstractContextManager):
                 self.writer = SummaryWriter(str(out_dir), purge_step=purge)
             if "csv" in names:
                 self.csv = metrics_csv(out_dir / METRICS_CSV, resumed_step)
-        kept = (resumed and resumed.state.get("trackers")) or {}
-        config = {**cfg.to_dict(), "lr": lr}
-        for name in [name for name in names if name in trackers.OPENERS]:
-            self.trackers[name] = trackers.OPENERS[name](out_dir, config, kept.get(name), cfg.log_model)
 
     def run_ids(self) -> dict[str, str]:
         """Each tracker's run id, which the checkpoint keeps: a resume continues the same runs."""
@@ -152,6 +158,24 @@ class TensorBoard(contextlib.AbstractContextManager):
 
 METRICS_CSV = "metrics.csv"
 METRICS_COLUMNS = ("step", "tag", "value", "wall_time")
+
+
+def run_start(events: list[Path], out_dir: Path) -> float:
+    """When the run that left these logs in out_dir started: the time in its first event file's name (the
+    writer's start), or else the wall_time of metrics.csv's first row (its first log point), or else that
+    file's time (a header only: written at the run's start)."""
+    times = [int(p.name.split(".")[3]) for p in events if p.name.split(".")[3].isdigit()]
+    metrics = out_dir / METRICS_CSV
+    if metrics.is_file():
+        with open(metrics, newline="", encoding="utf-8") as f:
+            rows = csv.reader(f)
+            next(rows, None)  # the header
+            first = next(rows, None)
+        try:
+            times.append(float(first[METRICS_COLUMNS.index("wall_time")]))
+        except (TypeError, IndexError, ValueError):
+            times.append(metrics.stat().st_mtime)
+    return min(times, default=time.time())
 
 
 def metrics_csv(path: Path, resumed_step: int | None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import os
 import signal
@@ -187,13 +188,16 @@ def ranks_agree(module: nn.Module) -> bool:
 
 def data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
     """The model itself, or under torchrun its one DistributedDataParallel wrapper. Buffers are not
-    broadcast at each forward (broadcast_buffers=False): BatchNorm's running statistics serve evaluation
-    only, and each epoch's end shares rank 0's before it (share_from_rank0), which are the same either
-    way; a broadcast every forward, micro-batches included, bought nothing."""
+    broadcast at each forward: BatchNorm's running statistics serve evaluation only, and each epoch's end
+    shares rank 0's before it (share_from_rank0), which are the same either way; a broadcast every
+    forward, micro-batches included, bought nothing. torch 2.14 names that forward_sync_buffers=False
+    (and warns at broadcast_buffers=False, the name of the torch versions before it)."""
     if not is_distributed():
         return model
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+        nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                               else None, broadcast_buffers=False)
+                                               else None, **{no_sync: False})
 
 
 def cleanup() -> None:

@@ -4,6 +4,11 @@ SIGHUP (a dropped ssh session) and SIGUSR1 (what Slurm's --signal sends before a
 Outside the training loop a signal raises Interrupted at once. Inside it (mode "defer") a signal only
 sets a flag, which the loop reads after each step (stops.py saves, then stops); a second one stops at
 once, except while a save runs (mode "hold"), which nothing interrupts.
+
+A run started in-process (train.train(), or a script's main() called by pytest, a notebook, a caller's
+loop) passes the signal on once it has stopped: the handler that was there before gets it, so Ctrl-C
+stops the caller too (KeyboardInterrupt), as SIGTERM does where nothing handled it. A script run as a
+program (`python train.py`, torchrun's workers) ends with its own exit code and line instead.
 """
 
 from __future__ import annotations
@@ -35,21 +40,37 @@ class Signals:
 
     def __init__(self):
         self.received, self.mode, self.previous = 0, "raise", {}
+        self.stopped_by = 0  # the signal the outermost block received, until hand_on() passes it on
+        self.pass_on = True  # False: a signal ends the run as in a program (tests that signal themselves)
 
     @contextlib.contextmanager
-    def installed(self):
-        """The handlers for the block (nested blocks share them); only the main thread can have any."""
+    def installed(self, *, program: bool = False):
+        """The handlers for the block (nested blocks share them); only the main thread can have any. The
+        outermost block puts the earlier handlers back and, unless the process is the script run as a
+        `program`, hands a signal received on to them (hand_on)."""
         outermost = not self.previous and threading.current_thread() is threading.main_thread()
         if outermost:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
+            self.stopped_by = 0
             atexit.register(_end_workers)  # run before multiprocessing's, which would wait for them
         try:
             yield self
         finally:
             if outermost:
+                self.stopped_by = self.received
                 for sig, handler in self.previous.items():
                     signal.signal(sig, handler)
                 self.previous, self.received, self.mode = {}, 0, "raise"
+                if not program:
+                    self.hand_on()
+
+    def hand_on(self) -> None:
+        """The signal that stopped the run, to the handler installed() put back: a caller's (pytest's, a
+        notebook's, a loop of runs'), so that it stops too; Python's own SIGINT handler raises
+        KeyboardInterrupt here, and SIGTERM with no handler ends the process."""
+        signum, self.stopped_by = self.stopped_by, 0
+        if signum and self.pass_on:
+            signal.raise_signal(signum)
 
     @contextlib.contextmanager
     def in_mode(self, mode: str):

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from configs import UserError, first_line
+from configs import Config, UserError, command_line, first_line
 from machinery import processes
 from machinery.checkpoints import all_finite, write_checkpoint
 from machinery.image_files import UnreadableImage
@@ -102,7 +102,8 @@ class Stops(contextlib.AbstractContextManager):
                              "learning rate but the data or the model (nan or inf in the inputs or targets, "
                              f"or a layer that makes them); check them, e.g. the dataset's files; {kept}")
         return UserError(f"training diverged at step {self.progress.step} ({what}; lr {float(at_lr):.3g}): "
-                         f"try a lower --lr than {lr:.3g}, e.g. --lr {lr / 10:.2g}, or `python lr_find.py` "
+                         f"try a lower --lr than {lr:.3g} in a new folder, e.g. "
+                         f"`{lower_rate_command(state['config'], self.out_dir)}`, or `python lr_find.py` "
                          f"with the same options to find one; {kept}")
 
     def resuming(self) -> str:
@@ -145,14 +146,29 @@ class Stops(contextlib.AbstractContextManager):
                             128 + err.signum) from None
 
 
+def lower_rate_command(config: dict, out_dir: Path) -> str:
+    """The command that runs a diverged run again at a tenth of its rate, in a new folder beside out_dir: a
+    new run in out_dir would be refused where its last.pt holds the unfinished run (and its logs stay there,
+    to compare)."""
+    lr, base = float(f"{config['lr'] / 10:.2g}"), out_dir if out_dir.name else out_dir.resolve()
+    new, n = base.with_name(f"{base.name}-lr{lr:g}"), 1
+    while new.exists():
+        n += 1
+        new = base.with_name(f"{base.name}-lr{lr:g}-{n}")
+    command = command_line("train.py", Config(**{**config, "lr": lr, "out_dir": str(new)}), leave_out=())
+    return command + (" (under torchrun, with those flags)" if processes.world_size() > 1 else "")
+
+
 @contextlib.contextmanager
-def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError):
+def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError, program: bool = True):
     """A script's whole run, ending in one line whatever stops it: a signal from start-up on (`after` says
     where it struck and what is as it was), a UserError (`caught`: also any ValueError, for lr_find.py) with
     its exit code (0: nothing to do, said and not an error), a failure torch reports at length (`status`).
-    Under torchrun one process says it; the folder's lock and the process group are let go in any case."""
+    Under torchrun one process says it; the folder's lock and the process group are let go in any case.
+    `program` False (the script's main() called in-process): a signal then goes on to the caller's handler
+    (signals.py), after the line."""
     try:
-        with SIGNALS.installed():
+        with SIGNALS.installed(program=True):  # handed on at the very end, where not `program`
             yield
     except caught as err:
         code = getattr(err, "code", 2)
@@ -171,6 +187,8 @@ def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError
     finally:
         release_all()
         processes.cleanup()
+        if not program:
+            SIGNALS.hand_on()
 
 
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:

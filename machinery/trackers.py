@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from configs import UserError
+from configs import UserError, first_line
 
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow-skinny"}  # --log-to's trackers, and what pip installs
 PROJECT = "torch-template"  # W&B's project, MLflow's experiment, unless WANDB_PROJECT says otherwise
@@ -93,15 +93,16 @@ def open_mlflow(out_dir: Path, config: dict, run_id: str | None, log_model: bool
 
     beside = out_dir.absolute().parent  # the store and its artifacts beside the run folders, not in the cwd
     uri, store = os.environ.get("MLFLOW_TRACKING_URI"), (beside / "mlruns").as_uri()
-    client = MlflowClient(uri or f"sqlite:///{beside / 'mlflow.db'}")
-    if run_id is None:
-        experiment = client.get_experiment_by_name(PROJECT)
-        found = experiment.experiment_id if experiment else client.create_experiment(
-            PROJECT, artifact_location=None if uri else store)
-        run_id = client.create_run(found, run_name=out_dir.name).info.run_id
-        client.log_batch(run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
-    else:
-        client.update_run(run_id, status="RUNNING")
+    with one_at_a_time(beside):  # runs started at once: one creates the store's tables, the others wait
+        client = MlflowClient(uri or f"sqlite:///{beside / 'mlflow.db'}")
+        if run_id is None:
+            experiment = client.get_experiment_by_name(PROJECT)
+            found = experiment.experiment_id if experiment else client.create_experiment(
+                PROJECT, artifact_location=None if uri else store)
+            run_id = client.create_run(found, run_name=out_dir.name).info.run_id
+            client.log_batch(run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
+        else:
+            client.update_run(run_id, status="RUNNING")
     logged = client.get_run(run_id).data.metrics  # the tags it has, to find each one's last step
     last = {tag: max(m.step for m in client.get_metric_history(run_id, tag)) for tag in logged}
 
@@ -127,6 +128,44 @@ def open_mlflow(out_dir: Path, config: dict, run_id: str | None, log_model: bool
         client.set_terminated(run_id)
 
     return Tracker(run_id, scalars, images, finish, lambda: client.set_terminated(run_id, "KILLED"))
+
+
+def open_all(names: list[str], out_dir: Path, config: dict, run_ids: dict, log_model: bool) -> dict:
+    """The trackers among `names`, each continuing its run in `run_ids` (a resume's) or starting one. One that
+    cannot start is one line, and the ones opened before it are stopped."""
+    opened = {}
+    for name in [name for name in names if name in OPENERS]:
+        try:
+            opened[name] = OPENERS[name](out_dir, config, run_ids.get(name), log_model)
+        except Exception as err:  # whatever the package raises: its message, in the line
+            for tracker in opened.values():
+                with contextlib.suppress(Exception):
+                    tracker.stop()
+            raise UserError(f"--log-to {name}: its run could not start ({first_line(err, 160)}); run the "
+                            f"command again, or leave {name} out of --log-to") from None
+    return opened
+
+
+@contextlib.contextmanager
+def one_at_a_time(folder: Path):
+    """The block with an exclusive lock on `folder` itself (flock: no lock file, let go when the process
+    ends however it ends). MLflow creates a new store's tables by migrations that two processes run at once
+    break (alembic's "expected to match one row", "table ... already exists"). Where the system or the
+    disk has no such lock (Windows, some network disks), the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        fcntl = None
+    if fcntl is None:
+        yield
+        return
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # a disk without such locks
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # lets go of the lock
 
 
 OPENERS = {"wandb": open_wandb, "mlflow": open_mlflow}  # --log-to's trackers beside tensorboard and csv

@@ -193,6 +193,16 @@ def crash_at_step(monkeypatch, step: int):
 
 
 @pytest.fixture
+def signals_end_the_run(monkeypatch):
+    """For a test that signals its own process: the run stops as `python train.py` would, with its line and
+    exit code, and the signal does not go on to pytest's handler (machinery/signals.py: Ctrl-C would end
+    the session, SIGTERM the process)."""
+    from machinery.signals import SIGNALS
+
+    monkeypatch.setattr(SIGNALS, "pass_on", False)
+
+
+@pytest.fixture
 def torch_home(tmp_path, monkeypatch):
     """$TORCH_HOME in a temporary folder, and no network: a download attempt fails as offline."""
     home = tmp_path / "torch"

@@ -109,6 +109,7 @@ def test_train_accumulating_k_batches_of_b_equals_batches_of_k_b(tmp_path, train
     assert_same_weights(micro_ckpt["model"], whole_ckpt["model"])
 
 
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")  # 12 steps: no bottom to read
 def test_lr_find_accumulation_equals_one_batch_per_step():
     g = torch.Generator().manual_seed(0)
     micro = [(torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 4, (4,), generator=g))
@@ -170,6 +171,7 @@ def test_two_processes_step_as_one_with_a_class_weighted_loss(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")  # 12 steps: no bottom to read
 def test_lr_find_accumulates_a_class_weighted_loss_as_one_batch():
     """lr_find with a normalizer: the loss a sum, divided once by the step's weights."""
     g = torch.Generator().manual_seed(0)

@@ -82,6 +82,7 @@ def test_a_rank_restores_the_cuda_rng_of_its_own_gpu(two_gpus_seen_as, monkeypat
     assert torch.equal(rng[1], torch.tensor([7], dtype=torch.uint8))
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")  # torch 2.14 deprecates broadcast_buffers (issue 49)
 def test_ddp_broadcasts_no_buffers_each_forward(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

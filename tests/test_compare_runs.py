@@ -4,6 +4,8 @@ models have none such (resnet9's global max pool runs as amax)."""
 
 import csv
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import models
 import train
 from configs import Config, parse_config, parse_given
-from machinery import checkpoints, stops
+from machinery import checkpoints, logs, stops
 
 
 @pytest.fixture
@@ -88,3 +90,48 @@ def test_metrics_csv_holds_every_point_once_across_a_crash_and_resume(tmp_path, 
     given = parse_given(["--resume", "--out-dir", str(tmp_path / "broken")])
     train.train(Config(**given), given)
     assert metric_rows(tmp_path / "broken") == straight  # each (step, tag) once, with the same values
+
+
+def test_a_resume_between_two_log_points_logs_the_loss_an_uninterrupted_run_logs(tmp_path, monkeypatch):
+    """Issue 49 (there: --save-every 7 --log-every 5, step 25): last.pt at step 4, a crash at step 6, log
+    points every 3 steps: step 6's train/loss is the mean over steps 4 to 6, as without the crash (last.pt
+    keeps the losses since the last log point)."""
+    argv = [*TINY, "--batch-size", "8", "--epochs", "1", "--log-every", "3", "--save-every", "4"]  # 8 steps
+    train.train(parse_config([*argv, "--out-dir", str(tmp_path / "straight")]))
+    with crash_at_step(monkeypatch, 6):
+        train.train(parse_config([*argv, "--out-dir", str(tmp_path / "broken")]))
+    assert checkpoints.load_checkpoint(tmp_path / "broken" / "last.pt")["step"] == 4
+    given = parse_given(["--resume", "--out-dir", str(tmp_path / "broken")])
+    train.train(Config(**given), given)
+    logged = {}
+    for run in ("straight", "broken"):
+        in_csv = [value for *point, value in metric_rows(tmp_path / run) if point == [6, "train/loss"]]
+        in_tensorboard = dict(read_scalars(tmp_path / run)["train/loss"])[6]
+        logged[run] = in_csv, in_tensorboard
+    assert logged["broken"] == logged["straight"]
+
+
+def test_the_unlogged_losses_and_their_normalizers_survive_a_weights_only_checkpoint(tmp_path):
+    losses, counts = [torch.tensor(1.5), torch.tensor(2.25)], [torch.tensor(3.0), torch.tensor(4.0)]
+    checkpoints.write_checkpoint({"unlogged": checkpoints.unlogged(losses, counts)}, tmp_path / "x.pt")
+    resumed = checkpoints.Resumed(tmp_path / "x.pt", checkpoints.load_checkpoint(tmp_path / "x.pt"))
+    kept, normalizers = checkpoints.restore_unlogged(resumed, torch.device("cpu"))
+    assert torch.equal(torch.stack(kept), torch.stack(losses)) and normalizers == counts
+    assert checkpoints.restore_unlogged(None, torch.device("cpu")) == ([], [])
+    assert checkpoints.unlogged([], [8, 8])["counts"] == [8, 8]
+
+
+def test_a_new_run_moves_a_csv_runs_logs_into_a_folder_named_after_that_runs_start(tmp_path, monkeypatch):
+    """Issue 49: with --log-to csv there is no event file to date the old run by; its metrics.csv's first
+    row does (its first log point), or, with no row yet, the file's time, not the time of the move."""
+    argv = [*TINY, "--epochs", "1", "--log-to", "csv", "--out-dir", str(tmp_path)]
+    train.train(parse_config(argv))
+    then = time.mktime((2025, 1, 31, 12, 0, 5, 0, 0, -1))  # that run, as if it had started then
+    rows = [[step, tag, value, then + int(step)] for step, tag, value in metric_rows(tmp_path)]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["step", "tag", "value", "wall_time"], *rows])
+    train.train(parse_config(argv))
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["20250131-120006"]  # its first row: step 1
+    (tmp_path / "metrics.csv").write_text("step,tag,value,wall_time\n")  # a run stopped before its first row
+    os.utime(tmp_path / "metrics.csv", (then, then))
+    assert logs.run_start([], tmp_path) == then

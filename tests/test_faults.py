@@ -5,9 +5,11 @@ people type."""
 import dataclasses
 import errno
 import io
+import json
 import math
 import os
 import random
+import shlex
 import shutil
 import threading
 from pathlib import Path
@@ -19,7 +21,7 @@ from conftest import build_loaders, fingerprint, run_main, run_script
 
 import task
 import train
-from configs import Config, parse_config
+from configs import Config, parse_config, parse_given
 from machinery import checkpoints, files
 from machinery.batches import epoch_plan
 
@@ -225,7 +227,8 @@ def test_diverging_lr_stops_with_a_line_and_saves_nothing(tmp_path, monkeypatch,
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "3", "--lr", "1e4",
                               "--out-dir", tmp_path)
     line = assert_one_line_failure(code, out, err)
-    assert "diverged at step" in line and "a lower --lr than 1e+04, e.g. --lr 1e+03" in line
+    assert "diverged at step" in line and "a lower --lr than 1e+04 in a new folder" in line
+    assert "--lr 1000.0 " in line and f"--out-dir {tmp_path}-lr1000`" in line
     assert "python lr_find.py" in line and "no checkpoint" in line
     assert not list(tmp_path.glob("*.pt"))
 
@@ -286,6 +289,31 @@ def test_nan_val_loss_is_reported_and_not_saved(tmp_path, monkeypatch, capsys):
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 4
     assert checkpoints.load_checkpoint(tmp_path / "best.pt")["step"] == 4
 
+
+
+def test_the_divergence_line_gives_a_command_that_runs(tmp_path, monkeypatch, capsys):
+    """Issue 49: a lower --lr in the same --out-dir is refused (its last.pt holds the unfinished run), so the
+    line's command names a new folder beside it; run as given, it trains."""
+    real, calls = train.evaluate, [0]
+
+    def evaluate(*args):
+        calls[0] += 1
+        result = real(*args)
+        inf = {"loss": math.inf, "acc": 0.5}
+        return dataclasses.replace(result, metrics=inf) if calls[0] == 2 else result
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "3", "--out-dir", tmp_path / "run")
+    line = assert_one_line_failure(code, out, err)
+    assert "still holds step 4" in line and "try a lower --lr than 0.2 in a new folder, e.g. `python" in line
+    command = shlex.split(line.split("`")[1])
+    given = parse_given(command[2:])
+    assert command[:2] == ["python", "train.py"] and (given["lr"], given["out_dir"]) == (
+        0.02, str(tmp_path / "run-lr0.02"))
+    monkeypatch.setattr(train, "evaluate", real)
+    code, out, err = run_main(monkeypatch, capsys, *command[2:])
+    assert code == 0 and err == "", err
+    assert json.loads((tmp_path / "run-lr0.02" / "summary.json").read_text())["lr"] == 0.02
 
 def imagefolder_run(images, tmp_path, *extra) -> tuple[Path, list]:
     root = tmp_path / "images"

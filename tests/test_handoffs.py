@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 import torch
-from conftest import build_loaders, crash_at_step, run_main, run_script
+from conftest import build_loaders, crash_at_step, fingerprint, run_main, run_script
 from test_resume import assert_same_state, final_state
 
 import configs
@@ -171,6 +171,23 @@ def test_resumed_config_layers():
     with pytest.raises(UserError, match="epochs must be a number > 0"):
         resumed_config(saved, {"resume": "last", "epochs": 0}, "runs/a/last.pt")
 
+
+
+def test_a_checkpoint_whose_run_record_has_a_field_this_version_lacks_is_one_line(tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Issue 49: a last.pt of a newer train.py (a checked-out older commit resumes it) names the field and
+    the fix, where Progress(**run) raised a TypeError."""
+    with crash_at_step(monkeypatch, 3):
+        train.train(parse_config([*TINY, "--save-every", "2", "--out-dir", str(tmp_path)]))
+    newer = checkpoints.load_checkpoint(tmp_path / "last.pt")
+    newer["run"]["warmup_done"] = True
+    checkpoints.write_checkpoint(newer, tmp_path / "last.pt")
+    kept = fingerprint(tmp_path)
+    code, out, err = run_main(monkeypatch, capsys, "--resume", "--out-dir", tmp_path)
+    line = one_line(code, err)
+    assert "written by another version of train.py (its run record holds warmup_done" in line, line
+    assert "check out that commit" in line and f"--init-from {tmp_path / 'last.pt'}" in line
+    assert fingerprint(tmp_path) == kept
 
 # ---------------------------------------------------------------- no silent no-ops; files and messages
 

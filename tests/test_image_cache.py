@@ -142,7 +142,8 @@ def test_predict_on_the_val_folder_scores_exactly_the_best_val_accuracy(images, 
     assert sum(Path(row["file"]).parent.name == row["class"] for row in rows) / len(rows) == best
 
 
-def test_sigterm_then_resume_ends_bit_for_bit_as_an_uninterrupted_run(images, tmp_path, monkeypatch, capsys):
+def test_sigterm_then_resume_ends_bit_for_bit_as_an_uninterrupted_run(images, tmp_path, monkeypatch, capsys,
+                                                                      signals_end_the_run):
     """The straight run decodes, the stopped one reads the cache: decoding draws nothing from the RNGs that
     seed the model (a DataLoader's first batch drew from the global one, and the two runs differed)."""
     argv = [*FLAGS, "--epochs", "3", "--data-dir", images]
@@ -248,7 +249,7 @@ def test_the_memory_rule_and_the_workers(monkeypatch):
 
 
 def test_an_unreadable_file_or_a_signal_while_decoding_is_one_line_and_leaves_nothing(
-        images, tmp_path, monkeypatch, capsys):
+        images, tmp_path, monkeypatch, capsys, signals_end_the_run):
     (images / "train" / "b" / "3.jpg").write_bytes(b"not a jpeg")
     code, out, err = run_main(monkeypatch, capsys, *FLAGS, "--data-dir", images, "--out-dir", tmp_path / "a")
     assert code == 2 and err == (f"error: cannot read image {images / 'train' / 'b' / '3.jpg'} (class folder "

@@ -1145,7 +1145,7 @@ def test_save_sweep_writes_the_record_the_plot_and_one_tensorboard_image(tmp_pat
         "lrs": result.lrs, "losses": [*result.losses[:-1], None], "smoothed": [*result.smoothed[:-1], None],
         "train_losses": None, "group_lrs": [[lr] for lr in result.lrs],
         "stop_reason": "non-finite loss", "schedule": "cosine", "suggestion": base[0], "method": "min/3",
-        "why_none": None, "optimizer_kind": "sgd",
+        "why_none": None, "note": None, "optimizer_kind": "sgd",
         "optimizer_kind_from": "SGD: no betas, eps or etas", "config": {"seed": 3},
         "sweep": lf.sweep_id(result.lrs, [*result.losses[:-1], None]),
         "suggestions": {"peak": {"lr": peak[0], "method": "minimum", "schedules": ["onecycle"],
@@ -1453,3 +1453,26 @@ def test_a_loaders_generators_and_sampler_state_come_back():
     (swept, swept_epochs), (plain, plain_epochs) = orders(True), orders(False)
     assert all(torch.equal(a, b) for a, b in zip(swept, plain, strict=True))
     assert swept_epochs == plain_epochs == [1, 1, 1, 1]
+
+
+def bounded(lr: float) -> float:
+    """A loss that cannot blow up (NT-Xent's is at most log of the batch): flat, a fall to a low near 3e-3,
+    a rise at higher rates, then a slow fall to the end of any sweep, as scale-invariant layers give."""
+    u = math.log10(lr / 3e-3)
+    fall = 3.3 + 0.35 / (1 + math.exp(4 * (u + 0.6)))
+    rise = 0.5 * math.exp(-(((u - 0.6) / 0.35) ** 2))
+    return fall + rise - 0.1 * (1 - math.exp(-max(0.0, u - 0.6)))
+
+
+@pytest.mark.parametrize("end_lr", [10.0, 100.0])
+def test_a_bounded_loss_that_rises_and_falls_again_is_read_up_to_its_rise(end_lr):
+    """Issue 49: such a curve's lowest point is the sweep's end, so the rules found none, and the hint to
+    raise end_lr gave the same again; now they read it up to its first rise, and say so."""
+    model, optimizer, loader = probe_setup()
+    result = lf.lr_find(model, optimizer, scripted_loss(bounded, optimizer), loader, start_lr=1e-5,
+                        end_lr=end_lr)
+    assert result.stop_reason == "completed" and max(result.losses) < 4 * min(result.losses)
+    assert 1e-3 <= result.suggestion <= 5e-3 and result.why_none is None, result.suggestion
+    assert result.note.startswith("the loss rose after ") and "read the curve up to that rise" in result.note
+    assert result.suggest("minimum") == result.suggestion  # from the lists too
+    assert result.for_schedule("cosine") == pytest.approx(result.suggestion / 3)

@@ -156,7 +156,8 @@ def test_the_next_command_trains_the_swept_setup_with_lr_auto(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_during_the_sweep_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, signum):
+def test_a_signal_during_the_sweep_is_one_line_and_leaves_nothing(signals_end_the_run, tmp_path, capsys,
+                                                                  monkeypatch, signum):
     """The signal arrives for real, mid-sweep: the sweep puts everything back, writes nothing, and main
     ends in one line with 128 + the signal's number."""
     real, seen = lr_find.lr_find, []
@@ -190,3 +191,25 @@ def test_a_known_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1
     assert "out of memory" in err and "lower --batch-size" in err
+
+
+def test_a_bounded_loss_gets_a_suggestion_and_the_line_says_how_it_was_read(tmp_path, capsys, monkeypatch):
+    """Issue 49: the sweep of a loss that cannot blow up (test_lr_find.bounded) suggests a rate, where it
+    said "no learning rate suggested" and to raise --find-end-lr, which gave the same line again."""
+    from test_lr_find import bounded
+
+    real = lr_find.lr_find
+
+    def bounded_sweep(model, optimizer, loss_fn, *args, **kwargs):
+        def loss(outputs, targets):  # bounded(lr) exactly, with gradients too small to move the weights far
+            tiny = outputs.sum() * 1e-9
+            return tiny - tiny.detach() + bounded(optimizer.param_groups[0]["lr"])
+
+        return real(model, optimizer, loss, *args, **kwargs)
+
+    monkeypatch.setattr(lr_find, "lr_find", bounded_sweep)
+    lr_find.main([*SMALL, "--width", "4", "--image-size", "8", "--find-iters", "50", "--find-end-lr", "100",
+                  "--out-dir", str(tmp_path)])
+    said = capsys.readouterr().out
+    assert "completed; the loss rose after " in said and "read the curve up to that rise" in said, said
+    assert "suggested lr: " in said and "next: python train.py" in said

@@ -159,9 +159,11 @@ def test_the_sizes_the_layout_asks_for():
     hold the rest). Issues 41 to 43 added features on that (41's 26 fixes about 200 lines, 43's trackers
     about 150), and closed at 5,229. Issues 48 to 50 add image files decoded once and kept (image_files,
     image_cache, placement: about 350 lines net, most moved out of data.py), round five's fixes and the
-    export: 6,400 is their budget, not a number to reach; a fork's reading order stays about 520."""
+    export: 6,400 is their budget, not a number to reach; a fork's reading order stays about 520. Issue 49
+    gives lr_find.py 15 lines over its 600 for a bounded loss (NT-Xent): a curve that rises, never blows up,
+    and falls again is read up to that rise, where it suggested nothing, and the sweep's line says so."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
-    assert {file: n for file, n in lines.items() if n > (600 if file == "lr_find.py" else 400)} == {}
+    assert {file: n for file, n in lines.items() if n > (615 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
     assert sum(lines.values()) <= 6400, sum(lines.values())
 

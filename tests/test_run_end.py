@@ -41,8 +41,8 @@ def the_result(summary: dict) -> dict:
     return {key: summary[key] for key in RESULT}
 
 
-def test_a_signal_in_the_last_val_pass_then_resume_finishes_the_run(uninterrupted, tmp_path, monkeypatch,
-                                                                     capsys):
+def test_a_signal_in_the_last_val_pass_then_resume_finishes_the_run(uninterrupted, signals_end_the_run,
+                                                                     tmp_path, monkeypatch, capsys):
     stop_in_evaluation(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
     code, out, err = run_main(monkeypatch, capsys, *TINY, "--epochs", "2", "--out-dir", tmp_path)
     assert code == 128 + signal.SIGTERM and "saved" in out and not (tmp_path / "summary.json").exists()

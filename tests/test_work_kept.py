@@ -166,7 +166,8 @@ def test_a_signal_saves_then_stops_and_the_run_resumes(sig, group, workers, tmp_
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 160
 
 
-def test_a_signal_in_the_last_evaluation_stops_after_its_save(tmp_path, monkeypatch, capsys):
+def test_a_signal_in_the_last_evaluation_stops_after_its_save(signals_end_the_run, tmp_path, monkeypatch,
+                                                               capsys):
     real, calls = train.evaluate, [0]
 
     def evaluate(*args):
@@ -181,7 +182,7 @@ def test_a_signal_in_the_last_evaluation_stops_after_its_save(tmp_path, monkeypa
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["run"]["epoch"] == 2
 
 
-def test_a_second_signal_waits_for_the_save_it_arrives_in(tmp_path, monkeypatch, capsys):
+def test_a_second_signal_waits_for_the_save_it_arrives_in(signals_end_the_run, tmp_path, monkeypatch, capsys):
     """Ctrl-C at step 3, and again while the interrupt's save writes: the save ends whole, then the run
     stops; a third Ctrl-C after a save stops it at once, in one line."""
     real_step, real_save, steps = train.optimizer_step, checkpoints.write_checkpoint, [0]
@@ -215,6 +216,72 @@ def test_a_second_signal_waits_for_the_save_it_arrives_in(tmp_path, monkeypatch,
     assert "interrupted again by SIGINT: stopped at once at step 3" in line and "holds step 3" in line
     assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 3
 
+
+
+CTRL_C_IN_A_SUITE = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+from forks import classification  # the tests' task, as conftest.py sets it
+sys.modules["task"] = classification
+import train
+from configs import parse_config
+
+def test_a_run_stopped_by_ctrl_c(tmp_path):
+    real, calls = train.optimizer_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the terminal that runs pytest
+        return real(*args, **kwargs)
+
+    train.optimizer_step = step
+    argv = [*{argv!r}, "--out-dir", {out!r}]
+    if {through_main!r}:
+        sys.argv = ["train.py", *argv]
+        train.main()
+    else:
+        train.train(parse_config(argv))
+
+def test_the_next_one():
+    open({marker!r}, "w").close()
+"""
+
+
+def test_ctrl_c_during_a_run_inside_pytest_stops_the_suite(tmp_path):
+    """Issue 49: a run inside a test (here train.py's main(), called in-process) saves and stops on Ctrl-C,
+    then passes the signal on to pytest's handler, which ends the session: no later test runs."""
+    marker, out = tmp_path / "ran-on", tmp_path / "run"
+    (tmp_path / "test_inner.py").write_text(CTRL_C_IN_A_SUITE.format(
+        root=str(ROOT), argv=[*TINY, "--log-to", "csv"], out=str(out), through_main=True, marker=str(marker)))
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "test_inner.py"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert suite.returncode == pytest.ExitCode.INTERRUPTED and "KeyboardInterrupt" in suite.stdout, (
+        suite.stdout[-3000:], suite.stderr[-2000:])
+    assert not marker.exists() and "interrupted at step 3; saved" in suite.stdout
+    assert checkpoints.load_checkpoint(out / "last.pt")["step"] == 3
+
+
+@pytest.mark.parametrize("through_main", [True, False], ids=["main", "train"])
+def test_a_run_started_in_process_passes_ctrl_c_on_once_saved(through_main, tmp_path, monkeypatch, capsys):
+    """train.py's main() and train() called in-process stop as the script does (saved, one line), then
+    raise the KeyboardInterrupt that Python's own handler, put back, raises for the SIGINT."""
+    real, calls = train.optimizer_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "optimizer_step", step)
+    argv = [*TINY, "--log-to", "csv", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(KeyboardInterrupt):
+        train.main() if through_main else train.train(parse_config(argv))
+    assert f"interrupted at step 3; saved {tmp_path / 'last.pt'}" in capsys.readouterr().out
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's, put back
 
 @pytest.mark.parametrize("where", ["start-up", "the optimizer's building"])
 def test_ctrl_c_outside_the_loop_is_one_line(where, tmp_path, monkeypatch, capsys):
