@@ -239,7 +239,8 @@ def step_weight(counts: list, world_size: int, device: torch.device, seeds: dict
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype):
     """One pass over a split's batches through the task's tally, kept on their device and read once
-    at the end (summed over processes under torchrun)."""
+    at the end: under torchrun each process tallies its shard, and the tally sums (or gathers, for a
+    metric that needs every output) over the processes: the split's figures."""
     model.eval()
     tally = task.Tally(cfg, info, batches.device)
     for inputs, targets in batches.epoch(0):
@@ -247,7 +248,7 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
             outputs = model(inputs)
         tally.add(outputs, targets, inputs)
     model.train()
-    return tally.result(processes.all_reduce_sum)
+    return tally.result(processes.ACROSS_PROCESSES)  # callable: sums, for a result(reduce) of old
 
 
 def load_best(compiled: Compiled, path: Path) -> torch.nn.Module:
