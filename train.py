@@ -193,7 +193,8 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     --init-from weights, where a resume or evaluation loads its own."""
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
-                                  needs=input_needs(cfg.model, cfg.pretrained))
+                                  needs=input_needs(cfg.model, cfg.pretrained),
+                                  follow=getattr(task, "augmented_targets", None))  # optional
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
     info.notes.append(check_model(model, batches.train, task, cfg, info))
     return batches, info, model
