@@ -4,9 +4,10 @@ It holds the loss, the metrics an evaluation reports, the pictures TensorBoard s
 prediction is (a row of evaluate.py --predict's predictions.csv). Every path that computes a loss or a
 metric calls these: the training loop, `python lr_find.py`, evaluation, evaluate.py, the benchmarks. The
 rest of the template (resume, torchrun, checkpoints, logs) reads only the names defined here, so it works
-for any task that defines them. This one is single-label classification: cross-entropy, accuracy, a
-confusion matrix and the most confidently wrong images. tests/forks/ holds three other tasks written this
-way (regression, multi-label, class-weighted), which the machinery tests run too.
+for any task that defines them: docs/your_data.md, "The task: task.py", is the whole list, with what each
+is for and which are optional. This one is single-label classification: cross-entropy, accuracy, a
+confusion matrix and the most confidently wrong images. tests/forks/ holds other tasks written this way
+(regression, multi-label, class-weighted, average precision, boxes), which the machinery tests run too.
 """
 
 from __future__ import annotations

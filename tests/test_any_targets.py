@@ -6,8 +6,9 @@ crops and flips by the task's augmented_targets, and without it the crops and fl
 
 import pytest
 import torch
-from conftest import add_entries, build_loaders, run_main
+from conftest import ROOT, add_entries, build_loaders, run_main
 from forks import binned, boxes
+from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 
 import data
@@ -83,7 +84,10 @@ def test_a_box_moves_as_its_image_is_cropped_and_flipped():
 
 def test_boxes_follow_their_images_crops_and_flips_by_the_tasks_augmented_targets(monkeypatch):
     """Each training image's bright rectangle, found in the batch as the model gets it (cropped after 2 px
-    of padding, flipped), lies exactly in its box as the batch gives it."""
+    of padding, flipped), lies exactly in its box as the batch gives it. docs/your_data.md shows this hook."""
+    shown = next(body for _, body in blocks(read("docs/your_data.md"))
+                 if body.startswith("def augmented_targets("))
+    assert shown in (ROOT / "tests" / "forks" / "boxes.py").read_text()
     add_entries(monkeypatch, "boxes_data")
     cfg = parse_config(["--dataset", "rectangles", *SMALL, "--synthetic-size", "64", "--batch-size", "64"])
     source = data.DATASETS["rectangles"](cfg)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import ROOT, TORCHRUN, add_entries, build_loaders
 from entries import entries
 from forks import classification, multilabel, multilabel_ap
+from test_docs import blocks, read
 from torch import nn
 
 import data
@@ -155,6 +156,9 @@ def test_average_precision_under_torchrun_is_the_whole_splits(tmp_path, monkeypa
     """tests/forks/multilabel_ap.py (the Tally docs/your_data.md shows): a run's val mAP in one process,
     then best.pt through evaluate.py under torchrun, 2 processes of 72 val examples each: the same figure,
     over all 144 (before gather: rank 0's half's)."""
+    shown = next(body for _, body in blocks(read("docs/your_data.md"))
+                 if body.startswith("def average_precision("))
+    assert shown in (ROOT / "tests" / "forks" / "multilabel_ap.py").read_text()  # the docs' Tally
     add_entries(monkeypatch, "multilabel_data")
     cfg = parse_config([*SMALL, "--dataset", "digit_facts", "--epochs", "1", "--out-dir", str(tmp_path)])
     summary = train.train(cfg, None, multilabel_ap)
