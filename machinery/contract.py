@@ -63,7 +63,8 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
                 image_size)
             ids = targets if whole and kind == "classes" else None
-            per_example = kind != "any" and targets.ndim == (1 if kind == "classes" else 2)
+            one_each = targets.ndim == 2 if kind == "values" else targets[0].numel() == 1  # id, or values
+            per_example = kind != "any" and one_each
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     what = {"classes": f"class ids in [0, {len(names)})", "values": f"values for {len(names)} outputs",
             "any": "as the data gives them (TARGETS = \"any\")"}[kind]

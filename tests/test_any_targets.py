@@ -14,7 +14,7 @@ from test_faults import assert_one_line_failure
 import data
 import models
 import train
-from configs import parse_config
+from configs import UserError, parse_config
 from evaluate import load_trained
 from machinery import batches, checkpoints
 
@@ -137,3 +137,26 @@ def test_crops_and_flips_of_targets_the_template_cannot_move_are_one_line(tmp_pa
                            "augmented_targets(")
     code, out, err = run_main(monkeypatch, capsys, *flags, "--no-augment")
     assert code == 0 and "images: no crop or flip (--no-augment)" in out, err
+
+
+@pytest.mark.parametrize("targets, refused", [
+    (torch.arange(16) % 2, False),  # a class id an example: a crop keeps it
+    ((torch.arange(16) % 2)[:, None], False),  # the same as [N, 1]
+    (torch.rand(16, 3), False),  # a row of values an example
+    (torch.arange(16 * 5).view(16, 5) % 2, True),  # 5 class ids an image, not its pixels: where are they?
+    (torch.rand(16, 2, 3, 3), True),  # a coarse map of values, not the images' 8x8
+])
+def test_crops_and_flips_keep_one_target_an_example_and_refuse_targets_of_unknown_places(targets, refused,
+                                                                                        monkeypatch):
+    kind = "values" if targets.is_floating_point() else "classes"
+    pixels = torch.randint(0, 255, (16, 1, 8, 8), dtype=torch.uint8)
+    monkeypatch.setitem(data.DATASETS, "placed", lambda cfg: data.Source(
+        (pixels, targets), (pixels[:4], targets[:4]), 3 if kind == "values" else 5, pad=1, flip=True))
+    cfg = parse_config(["--dataset", "placed", *SMALL, "--batch-size", "8"])
+    if refused:
+        with pytest.raises(UserError, match=f"cannot move {kind} targets that are neither one per example "
+                                            "nor one per pixel with them: define augmented_targets"):
+            build_loaders(cfg, targets=kind)
+    else:
+        assert "images: a random crop after 1 px of zero padding and random left-right flips" in " ".join(
+            build_loaders(cfg, targets=kind)[3].notes)
