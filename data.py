@@ -29,12 +29,16 @@ class Source:
 
     train: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
     val: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset
-    names: list[str]  # one per model output: the class names, for classification
+    names: list[str] | int  # one per model output (the class names); a count where they have none: 0, 1, ...
     test: tuple[torch.Tensor, torch.Tensor] | torch.utils.data.Dataset | None = None  # None: no test split
     pad: int = 0  # images: zero padding before the random crop (0: no crop)
     flip: bool = False  # images: left-right flips keep the labels
     stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
     notes: list[str] = field(default_factory=list)  # said once at start-up: files skipped, and why
+
+    def __post_init__(self):  # outputs that are no classes (a box's numbers, an embedding) need no names
+        if isinstance(self.names, int):
+            self.names = [str(i) for i in range(self.names)]
 
 
 # ---------------------------------------------------------------- the datasets

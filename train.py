@@ -193,7 +193,8 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     --init-from weights, where a resume or evaluation loads its own."""
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
-                                  needs=input_needs(cfg.model, cfg.pretrained))
+                                  needs=input_needs(cfg.model, cfg.pretrained),
+                                  follow=getattr(task, "augmented_targets", None))  # optional
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
     info.notes.append(check_model(model, batches.train, task, cfg, info))
     return batches, info, model
@@ -239,7 +240,8 @@ def step_weight(counts: list, world_size: int, device: torch.device, seeds: dict
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype):
     """One pass over a split's batches through the task's tally, kept on their device and read once
-    at the end (summed over processes under torchrun)."""
+    at the end: under torchrun each process tallies its shard, and the tally sums (or gathers, for a
+    metric that needs every output) over the processes: the split's figures."""
     model.eval()
     tally = task.Tally(cfg, info, batches.device)
     for inputs, targets in batches.epoch(0):
@@ -247,7 +249,7 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
             outputs = model(inputs)
         tally.add(outputs, targets, inputs)
     model.train()
-    return tally.result(processes.all_reduce_sum)
+    return tally.result(processes.ACROSS_PROCESSES)  # callable: sums, for a result(reduce) of old
 
 
 def load_best(compiled: Compiled, path: Path) -> torch.nn.Module:

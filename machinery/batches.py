@@ -185,11 +185,15 @@ class Batches:
 
     def _prepared(self, inputs, targets: torch.Tensor, crops=None):
         """A batch on the device as the model and the task take it: training images cropped and flipped by
-        `crops` ((offsets, flips); dense targets with them), then normalized; floating inputs as float32."""
+        `crops` ((offsets, flips); the targets with them: by the task's augmented_targets, or dense ones as
+        pixels), then normalized; floating inputs as float32."""
         targets = targets.to(self.device, non_blocking=True)
         if self.targets is not None:
             targets = as_taken(targets, self.targets.kind)
-        if crops is not None and self.targets is not None and self.targets.dense:
+        if crops is not None and self.targets is not None and self.targets.follow:
+            size = tuple(members(inputs)[next(iter(self.images))].shape[-2:])  # the (first) image's (H, W)
+            targets = self.targets.follow(targets, crops[0] - self.image.pad, crops[1], size)
+        elif crops is not None and self.targets is not None and self.targets.dense:
             targets = augment(targets, *crops, self.image.pad, fill=IGNORE_INDEX)
         inputs = each(lambda key, x: self._input(key, x.to(self.device, non_blocking=True), crops), inputs)
         return inputs, targets
@@ -246,10 +250,11 @@ class Splits:
 
 
 def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs,
-                  shard: tuple[int, int] = (0, 1)) -> tuple[Splits, DataInfo]:
+                  shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
     """Train, val and test batches of a dataset entry's `source` (data.Source) on `device`, sharded for this
     process (`shard`: its rank, of how many), their targets read and checked as the task takes them
-    (`targets`: task.TARGETS; contract.py), images fitted to what the model needs (`needs`:
+    (`targets`: task.TARGETS; contract.py) and moved with crops and flips by `follow` (task.py's
+    augmented_targets, where it has one), images fitted to what the model needs (`needs`:
     models.input_needs' answer: size, mean and std)."""
     rank, world_size = shard
     if cfg.batch_size % world_size:
@@ -276,6 +281,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                         "models.py")
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
     spec, checked = check_splits(splits, list(source.names), targets, size)
+    spec.follow = follow
     image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
                                    (spec, needs), notes)
     others = {key: t for key, t in parts.items() if key not in keys}

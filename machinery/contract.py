@@ -11,10 +11,13 @@ task.TARGETS says what the task's loss takes:
   10 outputs, say); the check is the one batch: the loss of two examples is one finite number.
 Targets whose last two dimensions are the images' height and width are dense: crops and flips move
 them with their images, and a crop's padding gets IGNORE_INDEX, which the task's loss and metrics skip.
+One class id or one row of values per example stays as it is. Others (TARGETS = "any": boxes, say) follow
+crops and flips only by the task's augmented_targets (image_steps.py refuses them otherwise).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +39,8 @@ class Targets:
     dense: bool  # one per pixel: the image steps move them too
     class_counts: torch.Tensor | None  # training examples (pixels, if dense) per class; None: unknown
     class_ids: torch.Tensor | None  # each training example's class (one per example), for balanced sampling
+    per_example: bool = False  # one class id or one row of values per example: crops and flips keep them
+    follow: Callable | None = None  # the task's augmented_targets: how its targets follow crops and flips
 
 
 def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None) -> tuple[Targets, str]:
@@ -58,12 +63,14 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
                 image_size)
             ids = targets if whole and kind == "classes" else None
+            one_each = targets.ndim == 2 if kind == "values" else targets[0].numel() == 1  # id, or values
+            per_example = kind != "any" and one_each
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     what = {"classes": f"class ids in [0, {len(names)})", "values": f"values for {len(names)} outputs",
             "any": "as the data gives them (TARGETS = \"any\")"}[kind]
     per_position = ids is not None and ids.ndim > 1  # tokens' ids, or pixels': no one class an example
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
-    return Targets(kind, dense, counts, None if per_position else ids), said
+    return Targets(kind, dense, counts, None if per_position else ids, per_example), said
 
 
 def check_model(model: nn.Module, batches, task, cfg, info) -> str:

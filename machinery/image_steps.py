@@ -43,23 +43,31 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 
 def image_steps_note(image: ImageSteps, targets: Targets, cfg: Config, which: str = "") -> str:
-    """Which image steps the training batches get, said at start-up; those per-pixel targets cannot
-    follow are refused."""
+    """Which image steps the training batches get, and how the targets follow them, said at start-up; a
+    crop or flip that targets cannot follow is refused."""
     if targets.dense and image.resize:
         raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
                         "targets cannot be resized with the images: give the dataset images of that size, or "
                         "use a model that takes these")
-    if targets.dense and image.pad and targets.kind == "values":
+    if targets.dense and image.pad and targets.kind == "values" and not targets.follow:
         raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
                         "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
                         "dataset's Source")
+    if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.per_example):
+        what = ('TARGETS = "any" targets' if targets.kind == "any" else
+                f"{targets.kind} targets that are neither one per example nor one per pixel")
+        raise UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), "
+                        f"and the template cannot move {what} with them: define augmented_targets(targets, "
+                        "shifts, flips, size) in task.py (docs/your_data.md), set pad=0 and flip=False in "
+                        "the dataset's Source, or pass --no-augment")
     steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
         ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
         else [])
     if not steps:
         why = "--no-augment" if not cfg.augment else f"none for {cfg.dataset}"
         return f"images{which}: no crop or flip ({why})"
-    moved = "; the per-pixel targets move with them" if targets.dense else ""
+    moved = ("; the targets follow them by task.py's augmented_targets" if targets.follow else
+             "; the per-pixel targets move with them" if targets.dense else "")  # one per example: they stay
     return f"images{which}: {' and '.join(steps)} on training batches{moved}"
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from configs import UserError
+from machinery.inputs import each
 
 
 def pick_device(name: str = "auto", deterministic: bool = False) -> torch.device:
@@ -133,6 +134,51 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor)
     return tensor
+
+
+def all_gather_rows(rows):
+    """Every process's `rows` (a tensor, or a tuple or dict of them, as inputs are), one per example of its
+    shard in the order its batches came, as the whole split's, in the split's order: rank r holds the
+    examples r, r + W, r + 2W, ... of W processes (batches.py), so its row i is the split's example
+    i x W + r. Other rows (each process's most confidently wrong) come back all, interleaved so. The row
+    counts go first, then the rows, padded to the most any process holds; the padding is dropped."""
+    if not is_distributed():
+        return rows
+    return each(lambda _, t: _gathered(t), rows)
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    count, world_size = torch.tensor([len(t)], device=t.device), dist.get_world_size()
+    counts = [torch.empty_like(count) for _ in range(world_size)]
+    dist.all_gather(counts, count)
+    counts = torch.cat(counts)
+    most = max(int(counts.max()), 1)
+    padded = torch.zeros((most, *t.shape[1:]), dtype=torch.uint8 if t.dtype == torch.bool else t.dtype,
+                         device=t.device)  # gloo sends no bool
+    padded[:len(t)] = t
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    real = torch.arange(most, device=t.device)[:, None] < counts  # [row, rank]: not padding
+    return torch.stack(parts, 1).flatten(0, 1)[real.flatten()].to(t.dtype)
+
+
+class Across:
+    """What a task's Tally.result combines its tallies with over torchrun's processes (in one process: as
+    they are): `sum` for sums and counts, `gather` for what a metric needs whole (each example's scores
+    or embedding: average precision, retrieval). Called as a function it sums, as the `reduce` that a
+    Tally.result written before gather existed takes."""
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(tensor)
+
+    def gather(self, rows):
+        return all_gather_rows(rows)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(tensor)
+
+
+ACROSS_PROCESSES = Across()
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

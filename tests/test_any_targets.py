@@ -1,18 +1,22 @@
 """Issue 42: the inputs and targets a fork brings. A task whose TARGETS is "any" takes its targets as the
 data gives them (a binned regression's [N] floats for 10 outputs) and reports exact figures; per-position
 class ids on inputs that are not images are no one class per example (--balance-classes is one line);
-crops and flips asked of inputs that are not images are one line."""
+crops and flips asked of inputs that are not images are one line. Issue 49: boxes follow their images'
+crops and flips by the task's augmented_targets, and without it the crops and flips are one line."""
 
 import pytest
 import torch
-from conftest import add_entries, build_loaders, run_main
-from forks import binned
+from conftest import ROOT, add_entries, build_loaders, run_main
+from forks import binned, boxes
+from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 
 import data
+import models
 import train
-from configs import parse_config
+from configs import UserError, parse_config
 from evaluate import load_trained
+from machinery import batches, checkpoints
 
 SMALL = ["--width", "4", "--device", "cpu", "--num-workers", "0"]
 
@@ -65,3 +69,94 @@ def test_crops_and_flips_asked_of_clips_are_one_line(tmp_path, monkeypatch, caps
     line = assert_one_line_failure(code, out, err)
     assert "clips's Source asks for crops and flips (pad=2, flip=True)" in line and "[3, 4, 8, 8]" in line
     assert "not uint8 [C, H, W] images" in line and not (tmp_path / "run").exists()
+
+
+def test_a_box_moves_as_its_image_is_cropped_and_flipped():
+    """forks/boxes.py's augmented_targets on one known box in a 12x12 image: the crop moves its content 1 row
+    up (shift 1) and 2 columns right (shift -2); then a flip mirrors it."""
+    box = torch.tensor([[1.0, 2.0, 5.0, 6.0]])  # x1, y1, x2, y2
+    shifts = torch.tensor([[1, -2]])  # rows, columns
+    kept = boxes.augmented_targets(box, shifts, torch.tensor([False]), (12, 12))
+    assert kept.tolist() == [[3.0, 1.0, 7.0, 5.0]]
+    mirrored = boxes.augmented_targets(box, shifts, torch.tensor([True]), (12, 12))
+    assert mirrored.tolist() == [[5.0, 1.0, 9.0, 5.0]]
+
+
+def test_boxes_follow_their_images_crops_and_flips_by_the_tasks_augmented_targets(monkeypatch):
+    """Each training image's bright rectangle, found in the batch as the model gets it (cropped after 2 px
+    of padding, flipped), lies exactly in its box as the batch gives it. docs/your_data.md shows this hook."""
+    shown = next(body for _, body in blocks(read("docs/your_data.md"))
+                 if body.startswith("def augmented_targets("))
+    assert shown in (ROOT / "tests" / "forks" / "boxes.py").read_text()
+    add_entries(monkeypatch, "boxes_data")
+    cfg = parse_config(["--dataset", "rectangles", *SMALL, "--synthetic-size", "64", "--batch-size", "64"])
+    source = data.DATASETS["rectangles"](cfg)
+    splits, _ = batches.build_loaders(cfg, source, torch.device("cpu"), targets="any",
+                                      needs=models.input_needs(cfg.model, cfg.pretrained),
+                                      follow=boxes.augmented_targets)
+    order, offsets, flips = batches.epoch_plan(64, cfg.seed, 0, pad=2, flip=True)
+    assert flips.any() and not flips.all() and (offsets != 2).any()  # some moved, some mirrored
+    inputs, moved = next(splits.train.epoch(0))
+    assert not torch.equal(moved, source.train[1][order])  # the boxes are not where the data put them
+    bright = splits.train.denormalize(inputs)[:, 0] > 0.5  # the rectangle: 220, the ground below 40
+    for box, pixels in zip(moved.tolist(), bright, strict=True):
+        rows, columns = pixels.any(1).nonzero().flatten(), pixels.any(0).nonzero().flatten()
+        assert box == [columns[0], rows[0], columns[-1] + 1, rows[-1] + 1]
+
+
+def test_a_boxes_fork_trains_with_outputs_it_gives_a_count_and_says_its_targets_follow(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """The rectangles' Source gives 4 outputs as a count (names=4), not names: the model has 4 outputs,
+    named 0..3 in the checkpoint; start-up says the boxes follow the crops and flips."""
+    add_entries(monkeypatch, "boxes_data")
+    cfg = parse_config(["--dataset", "rectangles", *SMALL, "--synthetic-size", "64", "--batch-size", "32",
+                        "--epochs", "1", "--out-dir", str(tmp_path)])
+    summary = train.train(cfg, None, boxes)
+    out = capsys.readouterr().out
+    assert "4 outputs" in out and "resnet_small takes [2, 1, 12, 12] float32 and gives [2, 4]" in out
+    assert ("images: a random crop after 2 px of zero padding and random left-right flips (--no-flip where "
+            "a mirror changes the class: digits, text) on training batches; the targets follow them by "
+            "task.py's augmented_targets") in out
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["data"]["names"] == ["0", "1", "2", "3"]
+    assert 0 <= summary["val_iou"] <= 1
+
+
+def test_crops_and_flips_of_targets_the_template_cannot_move_are_one_line(tmp_path, monkeypatch, capsys):
+    """`python train.py` with the boxes fork without augmented_targets: its boxes would stay as their images
+    move (TARGETS = "any" says nothing of where they are), so the crops and flips are refused in one line,
+    with nothing written; --no-augment then trains."""
+    add_entries(monkeypatch, "boxes_data")
+    monkeypatch.delattr(boxes, "augmented_targets")
+    monkeypatch.setattr(train.train, "__defaults__", (None, boxes))  # task.py: the fork's
+    flags = ["--dataset", "rectangles", *SMALL, "--synthetic-size", "64", "--batch-size", "32",
+             "--epochs", "1", "--out-dir", tmp_path / "run"]
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, *flags))
+    assert not (tmp_path / "run").exists()
+    assert line.startswith("error: rectangles's images get crops and flips (pad=2, flip=True), and the "
+                           'template cannot move TARGETS = "any" targets with them: define '
+                           "augmented_targets(")
+    code, out, err = run_main(monkeypatch, capsys, *flags, "--no-augment")
+    assert code == 0 and "images: no crop or flip (--no-augment)" in out, err
+
+
+@pytest.mark.parametrize("targets, refused", [
+    (torch.arange(16) % 2, False),  # a class id an example: a crop keeps it
+    ((torch.arange(16) % 2)[:, None], False),  # the same as [N, 1]
+    (torch.rand(16, 3), False),  # a row of values an example
+    (torch.arange(16 * 5).view(16, 5) % 2, True),  # 5 class ids an image, not its pixels: where are they?
+    (torch.rand(16, 2, 3, 3), True),  # a coarse map of values, not the images' 8x8
+])
+def test_crops_and_flips_keep_one_target_an_example_and_refuse_targets_of_unknown_places(targets, refused,
+                                                                                        monkeypatch):
+    kind = "values" if targets.is_floating_point() else "classes"
+    pixels = torch.randint(0, 255, (16, 1, 8, 8), dtype=torch.uint8)
+    monkeypatch.setitem(data.DATASETS, "placed", lambda cfg: data.Source(
+        (pixels, targets), (pixels[:4], targets[:4]), 3 if kind == "values" else 5, pad=1, flip=True))
+    cfg = parse_config(["--dataset", "placed", *SMALL, "--batch-size", "8"])
+    if refused:
+        with pytest.raises(UserError, match=f"cannot move {kind} targets that are neither one per example "
+                                            "nor one per pixel with them: define augmented_targets"):
+            build_loaders(cfg, targets=kind)
+    else:
+        assert "images: a random crop after 1 px of zero padding and random left-right flips" in " ".join(
+            build_loaders(cfg, targets=kind)[3].notes)

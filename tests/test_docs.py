@@ -89,6 +89,10 @@ PYTHON_BLOCKS = {
         "test_docs.py::test_the_load_trained_lines_run",
     "import onnxruntime  # with numpy and pillow: torch is not needed to run the model":
         "test_export.py::test_the_docs_onnxruntime_lines_run",
+    "def average_precision(scores: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:":
+        "test_distributed.py::test_average_precision_under_torchrun_is_the_whole_splits",
+    "def augmented_targets(boxes: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor,":
+        "test_any_targets.py::test_boxes_follow_their_images_crops_and_flips_by_the_tasks_augmented_targets",
 }
 
 SHELL = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "tensorboard ")

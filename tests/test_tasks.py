@@ -6,11 +6,12 @@ intact. The commands themselves, in a copied fork, are tests/test_forks.py's."""
 
 import contextlib
 import io
+import re
 
 import pytest
 import torch
-from conftest import ROOT, add_entries, crash_at_step, default_task_only, fingerprint
-from forks import multilabel, regression
+from conftest import ROOT, TEMPLATE_TASK, add_entries, crash_at_step, default_task_only, fingerprint
+from forks import binned, boxes, multilabel, multilabel_ap, regression, weighted
 from test_resume import assert_same_state, final_state
 from test_sync import per_step
 
@@ -125,3 +126,23 @@ def test_the_kept_default_task_is_task_py_word_for_word():
     shipped = (ROOT / "task.py").read_text()
     assert kept == shipped, ("task.py changed: copy it over tests/forks/classification.py, or give the new "
                              "task a NAME of its own")
+
+
+def test_the_docs_name_all_the_template_reads_of_a_task():
+    """docs/your_data.md's "The task: task.py" is a task's whole contract: each name that train.py,
+    evaluate.py, lr_find.py and machinery/ read of a task (task.X, getattr(task, "X")) has its entry there,
+    and task.py and every task in tests/forks/ define each one not marked optional."""
+    page = (ROOT / "docs" / "your_data.md").read_text()
+    section = page.split("## The task: `task.py`")[1].split("\n## ")[0]
+    bullets = re.findall(r"^- ((?:`[^`]+`(?: and )?)+)( \(optional\))?:", section, re.M)
+    listed = {name: bool(optional) for head, optional in bullets for name in re.findall(r"`(\w+)", head)}
+    scripts = [ROOT / "train.py", ROOT / "evaluate.py", ROOT / "lr_find.py"]
+    code = "\n".join(path.read_text() for path in [*scripts, *ROOT.glob("machinery/*.py")])
+    read = set(re.findall(r"\btask\.(\w+)", code)) | set(re.findall(r'getattr\(task, "(\w+)"', code))
+    assert read - {"py"} - set(listed) == set()  # task.py, the file
+    assert {name for name, optional in listed.items() if optional} == {"augmented_targets"}
+    required = {name for name, optional in listed.items() if not optional}
+    assert len(required) == 16, sorted(required)
+    forks = (classification, regression, multilabel, weighted, binned, multilabel_ap, boxes)
+    for task in (TEMPLATE_TASK, *forks):
+        assert required - set(vars(task)) == set(), task.NAME

@@ -4,9 +4,10 @@ It holds the loss, the metrics an evaluation reports, the pictures TensorBoard s
 prediction is (a row of evaluate.py --predict's predictions.csv). Every path that computes a loss or a
 metric calls these: the training loop, `python lr_find.py`, evaluation, evaluate.py, the benchmarks. The
 rest of the template (resume, torchrun, checkpoints, logs) reads only the names defined here, so it works
-for any task that defines them. This one is single-label classification: cross-entropy, accuracy, a
-confusion matrix and the most confidently wrong images. tests/forks/ holds three other tasks written this
-way (regression, multi-label, class-weighted), which the machinery tests run too.
+for any task that defines them: docs/your_data.md, "The task: task.py", is the whole list, with what each
+is for and which are optional. This one is single-label classification: cross-entropy, accuracy, a
+confusion matrix and the most confidently wrong images. tests/forks/ holds other tasks written this way
+(regression, multi-label, class-weighted, average precision, boxes), which the machinery tests run too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from machinery.contract import IGNORE_INDEX
 from machinery.inputs import joined, take
 from machinery.pictures import confusion_picture, image_grid
+from machinery.processes import ACROSS_PROCESSES
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
 TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
@@ -61,8 +63,8 @@ class Evaluation:
 class Tally:
     """Loss and normalizer sums, confusion matrix and the most confidently wrong examples of one
     validation pass, kept on the device: a read per batch would wait for the device every batch. Per-pixel
-    targets count each pixel (a crop's padding none). Under torchrun the sums are summed over processes;
-    the wrong examples are this process's shard's."""
+    targets count each pixel (a crop's padding none). Under torchrun each process tallies its shard, and
+    result() sums the sums and gathers each one's wrong examples: the figures and pictures are the split's."""
 
     def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
@@ -83,23 +85,28 @@ class Tally:
 
     def _keep_worst(self, outputs, targets, inputs, predicted) -> None:
         confidence = outputs.softmax(1).amax(1).masked_fill_(predicted == targets, -1.0)  # -1: right
-        top = confidence.topk(min(self.keep, len(targets))).indices
-        batch = tuple(take(x, top) for x in (confidence, inputs, targets, predicted))  # inputs: any of
-        if self.worst is not None:  # a tensor or a tuple or dict of them (several inputs)
-            batch = tuple(joined(pair) for pair in zip(self.worst, batch, strict=True))
-            top = batch[0].topk(min(self.keep, len(batch[0]))).indices
-            batch = tuple(take(x, top) for x in batch)
+        batch = self._top((confidence, inputs, targets, predicted))  # inputs: a tensor, or a tuple or dict
+        if self.worst is not None:  # of them (several inputs)
+            batch = self._top(tuple(joined(pair) for pair in zip(self.worst, batch, strict=True)))
         self.worst = batch
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        """The metrics, after `reduce` (a sum over torchrun's processes) of the device's sums."""
-        total, (count, *cells), n = reduce(self.loss).item(), reduce(self.counts).tolist(), len(self.names)
+    def _top(self, kept: tuple) -> tuple:
+        """The `keep` most confident of `kept` (confidence, inputs, targets, predictions), most first."""
+        top = kept[0].topk(min(self.keep, len(kept[0]))).indices
+        return tuple(take(x, top) for x in kept)
+
+    def result(self, across=ACROSS_PROCESSES) -> Evaluation:
+        """The metrics, from the device's tallies combined over torchrun's processes (`across`, from
+        machinery/processes.py: its sum, and the gather of each process's most confidently wrong)."""
+        total, (count, *cells) = across.sum(self.loss).item(), across.sum(self.counts).tolist()
+        n = len(self.names)
         confusion = [cells[r * n: (r + 1) * n] for r in range(n)]
         correct = sum(confusion[i][i] for i in range(n))
         per_class = [row[i] / sum(row) if sum(row) else None for i, row in enumerate(confusion)]
         return Evaluation({"loss": total / count, "acc": correct / sum(map(sum, confusion))},
                           {"per_class_acc": dict(zip(self.names, per_class, strict=True)),
-                           "confusion": confusion}, self.worst)
+                           "confusion": confusion},
+                          None if self.worst is None else self._top(tuple(map(across.gather, self.worst))))
 
 
 def describe(result: Evaluation, split: str = "val") -> str:
