@@ -15,7 +15,7 @@ import torch
 
 import task as default_task
 from configs import Config, UserError, parse_given, validate
-from configs.resolve import evaluated_config
+from configs.resolve import EVALUATE_SETTINGS, evaluated_config
 from machinery import checkpoints, logs, processes, stops
 from machinery.batches import Batches, ImageSteps, Serving
 from machinery.contract import check_model
@@ -194,9 +194,16 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     return model.eval(), ckpt
 
 
+DESCRIPTION = ("Use a saved model: a split once through it (eval.json), --predict files with it, or --export "
+               "it. A train.py checkpoint brings its model and data settings; --dataset to --width are for a "
+               "plain state_dict.")
+
+
 def main() -> None:
     with stops.one_line("; nothing was written: run the command again"):
-        given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
+        given = parse_given(description=DESCRIPTION, choices=CHOICES, offered=EVALUATE_SETTINGS,
+                            elsewhere="evaluate.py trains nothing, and builds a checkpoint's model and data "
+                            "as its run did (--help lists what it takes)")
         cfg = Config(**given)
         if cfg.predict and cfg.export:
             raise UserError("--predict and --export are two commands: give one of them")
