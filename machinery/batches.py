@@ -44,6 +44,7 @@ class DataInfo:
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
     batches: int = 0  # this process's training batches per epoch
     files: dict[str, str] | None = None  # file datasets: each split's list, hashed (data.Source.files)
+    digests: dict[str, torch.Tensor] | None = None  # image files decoded: each image's pixels, hashed
     members: str | None = None  # several inputs: each one's shape and dtype ("[3, 8, 8] uint8 + [12] int64")
 
     def sizes(self) -> dict:
@@ -51,8 +52,10 @@ class DataInfo:
 
     def data_record(self) -> dict:
         """What a checkpoint records of the data, which a resume checks: the splits' sizes, the batches
-        per epoch (they fix the schedule) and the names of the outputs."""
-        return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files}
+        per epoch (they fix the schedule) and the names of the outputs; and what evaluate.py counts a
+        split's images against, the training images' digests (None: tensors, or files read every epoch)."""
+        return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files,
+                "train_digests": (self.digests or {}).get("train")}
 
     def inputs_record(self) -> dict:
         """What a checkpoint records of the inputs: evaluate.py (--predict, load_trained) reads it."""
@@ -265,7 +268,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                             "dataset entry in data.py, or the files in --data-dir)")
     notes, files = list(source.notes), {split: examples.fingerprint() for split, examples in splits.items()
                                          if isinstance(examples, ImageFiles)} or None
-    splits, held = _held(cfg, splits, device, notes)  # image files that fit: decoded once, as tensors now
+    splits, held, digests = _held(cfg, splits, device, notes)  # image files that fit: decoded once, tensors
     streamed = not isinstance(splits["train"], tuple)  # a Dataset (files, say), read by workers
     sample = splits["train"][0][0] if streamed else take(splits["train"][0], 0)  # the first example's inputs
     parts = members(sample)
@@ -312,7 +315,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     info = DataInfo(batches=len(served["train"]), input_shape=(x.shape[0], resize, resize) if resize else
                     tuple(x.shape), input_dtype=torch.float32 if key in keys or x.is_floating_point() else
                     x.dtype, names=list(source.names), loader=loader, images=bool(keys), notes=notes,
-                    reading=reading, files=files, members=several,
+                    reading=reading, files=files, members=several, digests=digests,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info
@@ -351,9 +354,9 @@ def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list
                    "std": first.std.tolist()}
 
 
-def _held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> tuple[dict, Placement]:
+def _held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> tuple[dict, Placement, dict]:
     """Where the splits live (placement.py), with image files that fit decoded once (image_cache.py) into
-    (uint8 images, class ids) tensors; said in `notes`."""
+    (uint8 images, class ids) tensors, said in `notes`; and their images' digests (image_cache.digests)."""
     decodable = all(isinstance(examples, ImageFiles) for examples in splits.values())
     held = placement.place(cfg.loader, device, needed=placement.held_bytes(splits), decoded=decodable)
     where = {"device": f"on {device.type}", "host": "in host memory"}.get(held.where)
@@ -362,9 +365,10 @@ def _held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> 
         done = image_cache.decode_splits(splits, folder)
         said = image_cache.describe(folder, done)
         notes.append(f"image files decoded once, held {where} ({held.why}): {said}")
-        return {split: (d.images, torch.tensor(splits[split].targets)) for split, d in done.items()}, held
+        held_splits = {split: (d.images, torch.tensor(splits[split].targets)) for split, d in done.items()}
+        return held_splits, held, {split: d.digests for split, d in done.items()}
     if decodable:
         notes.append(f"image files read every epoch by DataLoader workers ({held.why})")
     elif held.where == "host":
         notes.append(f"tensors held in host memory ({held.why})")
-    return splits, held
+    return splits, held, None

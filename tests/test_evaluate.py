@@ -5,12 +5,14 @@ pixels (a copy under another name too); SIGTERM to the group while it evaluates 
 DataLoader workers is one line."""
 
 import json
+import shutil
+import signal
 
 import pytest
 import torch
 from conftest import run_evaluate, run_main
 from test_faults import assert_one_line_failure, save_png
-from test_nothing_lost import FILES
+from test_nothing_lost import FILES, terminated
 
 import lr_find
 import train
@@ -77,3 +79,50 @@ def test_evaluate_offers_what_evaluation_uses_and_refuses_the_rest_in_one_line(i
         lr_find.main(["--predict", str(images / "val"), "--out-dir", str(tmp_path / "sweep")])
     line = assert_one_line_failure(stopped.value.code, *capsys.readouterr())
     assert line.startswith("error: --predict is not an option here: another script takes it"), line
+
+
+def other_folder(images, folder):
+    """A copy of `images` (no cache) whose val images have new names: the run's val images, renamed."""
+    shutil.copytree(images, folder, ignore=shutil.ignore_patterns(".image-cache"))
+    for file in sorted((folder / "val").glob("*/*.png")):
+        file.rename(file.with_name(f"renamed-{file.name}"))
+    return folder
+
+
+def test_another_folder_is_measured_and_its_training_images_are_counted(image_run, images, tmp_path,
+                                                                          monkeypatch, capsys):
+    """The run's own val images under new names measure what they measured; two of its training images
+    copied into val/ under new names are counted as such, in the output and in eval.json."""
+    code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", image_run / "best.pt", "--out-dir",
+                                tmp_path / "own", *CPU)
+    own = json.loads((tmp_path / "own" / "eval.json").read_text())
+    other = other_folder(images, tmp_path / "other")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", image_run / "best.pt", "--data-dir",
+                                  other, "--out-dir", tmp_path / "renamed", *CPU)
+    renamed = json.loads((tmp_path / "renamed" / "eval.json").read_text())
+    assert code == 0 and renamed["val_acc"] == own["val_acc"] and renamed["val_loss"] == own["val_loss"], err
+    assert "--split val: 8 images, none of them among the run's 16 training images" in out, out
+    for k in range(2):
+        shutil.copy(images / "train" / "dark" / f"{k}.png", other / "val" / "dark" / f"copy-{k}.png")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", image_run / "best.pt", "--data-dir",
+                                  other, "--out-dir", tmp_path / "copies", *CPU)
+    said = "--split val: 2 of its 10 images are among the run's 16 training images (the same pixels"
+    assert code == 0 and said in out, (out, err)
+    report = json.loads((tmp_path / "copies" / "eval.json").read_text())
+    assert report["val_size"] == 10 and report["note"].startswith(said)
+
+
+def test_sigterm_to_the_group_while_evaluating_another_folder_with_workers_is_one_line(image_run, images,
+                                                                                       tmp_path):
+    """Round three's check, evaluate.py's case: --data-dir of the run's images renamed, read by two
+    DataLoader workers, SIGTERM to the process group once each reads an image (refused before it started,
+    while another folder was refused)."""
+    other = other_folder(images, tmp_path / "other")
+    argv = ["--checkpoint", str(image_run / "best.pt"), "--data-dir", str(other), "--device", "cpu",
+            "--loader", "dataloader", "--num-workers", "2", "--batch-size", "4", "--out-dir",
+            str(tmp_path / "out")]
+    command = f"import evaluate\nsys.argv = ['evaluate.py', *{argv!r}]\nevaluate.main()\n"
+    stopped = terminated(tmp_path, command)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert stopped.stderr.startswith("error: interrupted by SIGTERM") and stopped.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
