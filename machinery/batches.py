@@ -84,6 +84,23 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
     return order[mine], offsets[mine], flips[mine]
 
 
+def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:
+    """What an epoch of `n` training examples trains where some sit out of it (a partial batch is dropped:
+    --compile's shapes stay static, BatchNorm never sees a batch of one), and a --batch-size that fits."""
+    per_rank, local = n // world_size, batch_size // world_size
+    batches, whole = per_rank // local, -(-per_rank // local)  # full batches; batches that take them all
+    if not (out := n - batches * batch_size):
+        return None
+    steps, fits = -(-batches // accum_steps), per_rank // whole * world_size
+    shards = f" and what does not divide over {world_size} processes" if n % world_size else ""
+    said = (f"training: {steps} optimizer step{'s' * (steps != 1)} an epoch ({batches} batch"
+            f"{'es' * (batches != 1)} of {batch_size}{f', {accum_steps} a step' * (accum_steps > 1)}); "
+            f"{out} of the {n} training examples {'sit' if out > 1 else 'sits'} out of each epoch, others "
+            f"each time (the last, partial batch is dropped{shards})")
+    left = n - fits * whole
+    return said + (f"; --batch-size {fits} leaves {left or 'none'} out, in {whole} batches" * (left < out))
+
+
 @dataclass(frozen=True)
 class Serving:
     """How a split's batches are served: the same for the training and the validation split."""
@@ -308,6 +325,8 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({served['train'].num_examples}); lower --batch-size")
+    if said := epoch_note(served["train"].num_examples, cfg.batch_size, world_size, cfg.accum_steps):
+        notes.append(said)
     loader = {"device": f"device-resident tensors on {device.type}", "dataloader": f"DataLoader with "
               f"{workers} workers", "host": f"host memory, pinned batches copied to {device}"}[held.where]
     key, x = next(iter(parts.items()))  # the one input, or the first of several: the model's channels
