@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +23,8 @@ from configs import Config, UserError
 from machinery import image_cache, placement
 from machinery.contract import IGNORE_INDEX, Targets, as_taken, check_splits
 from machinery.image_files import ImageFiles
-from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note
-from machinery.inputs import Examples, described, each, members, named, rows, take, total_bytes
+from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note, sampled_stats
+from machinery.inputs import Examples, described, each, members, named, rows, stacked, take, total_bytes
 from machinery.placement import Placement
 from machinery.signals import SIGNALS, worker_init
 
@@ -111,6 +111,7 @@ class Serving:
     rank: int = 0  # under torchrun, this process's shard of each epoch
     world_size: int = 1
     num_workers: int = 0  # DataLoader workers, where the data is not on the device
+    collate: Callable | None = None  # a Dataset's examples as one batch (data.Source's); None: inputs.stacked
 
 
 class Batches:
@@ -119,10 +120,11 @@ class Batches:
     inputs (one ImageSteps, or {member's key: ImageSteps} for several inputs); the others pass as they are.
     `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
 
-    def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
+    def __init__(self, source, labels, serving: Serving, *, train: bool,
                  image: ImageSteps | dict | None = None, targets: Targets | None = None,
                  class_ids: torch.Tensor | None = None):
         self.source, self.labels, self.serving, self.train = source, labels, serving, train
+        self.collate = serving.collate or stacked  # a Dataset's examples as one batch
         self.targets, self.class_ids, self.device = targets, class_ids, serving.device
         self.images = image if isinstance(image, dict) else {} if image is None else {None: image}
         self.image = next(iter(self.images.values()), None)  # the first input's (pad and flip: every one's)
@@ -157,8 +159,8 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        batch = ((take(self.source, slice(0, n)), self.labels[:n]) if self.tensors else
-                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
+        batch = ((take(self.source, slice(0, n)), take(self.labels, slice(0, n))) if self.tensors else
+                 self.collate([self.source[i] for i in range(min(n, self.num_examples))]))
         return self._prepared(*batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,7 +178,7 @@ class Batches:
         else:  # in order, each rank its shard
             order = torch.arange(s.rank, self.num_examples, s.world_size)
         if self.tensors:
-            plan = order.to(self.labels.device).split(bs)[start:]
+            plan = order.to(next(iter(members(self.labels).values())).device).split(bs)[start:]
             raw = ((self._gathered(self.source, idx), self._gathered(self.labels, idx)) for idx in plan)
         else:
             raw = self._from_workers(order[start * bs:].tolist())
@@ -206,7 +208,7 @@ class Batches:
     def _prepared(self, inputs, targets: torch.Tensor, crops=None):
         """A batch on the device as the model and the task take it: training images cropped and flipped by
         `crops` ((offsets, flips); dense targets with them), then normalized; floating inputs as float32."""
-        targets = targets.to(self.device, non_blocking=True)
+        targets = each(lambda _, t: t.to(self.device, non_blocking=True), targets)  # a tuple too ("any")
         if self.targets is not None:
             targets = as_taken(targets, self.targets.kind)
         if crops is not None and self.targets is not None and self.targets.dense:
@@ -236,7 +238,8 @@ class Batches:
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=s.batch_size, sampler=self._order, num_workers=s.num_workers,
                 pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
-                worker_init_fn=worker_init, generator=torch.Generator().manual_seed(s.seed))
+                collate_fn=self.collate, worker_init_fn=worker_init,
+                generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
         with SIGNALS.held_while_forking():  # its workers start here, on the first pass
             return iter(self._loader)
@@ -287,7 +290,8 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                                          if isinstance(examples, ImageFiles)} or None
     splits, held, digests = _held(cfg, splits, device, notes)  # image files that fit: decoded once, tensors
     streamed = not isinstance(splits["train"], tuple)  # a Dataset (files, say), read by workers
-    sample = splits["train"][0][0] if streamed else take(splits["train"][0], 0)  # the first example's inputs
+    collate = source.collate or stacked  # a Dataset's: the first example batched alone, as the model gets it
+    sample = take(collate([splits["train"][0]])[0] if streamed else splits["train"][0], 0)  # its inputs
     parts = members(sample)
     keys = [key for key, t in parts.items() if t.dtype == torch.uint8 and t.ndim == 3]  # the image inputs
     if needs.size and keys != [None]:
@@ -295,7 +299,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                         f"{cfg.dataset}'s inputs are {described(sample)}; add a model of yours to MODELS in "
                         "models.py")
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
-    spec, checked = check_splits(splits, list(source.names), targets, size)
+    spec, checked = check_splits(splits, list(source.names), targets, size, collate)
     image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
                                    (spec, needs), notes)
     others = {key: t for key, t in parts.items() if key not in keys}
@@ -313,10 +317,11 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
         raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
                         "class id per example listed up front (tensors, or a Dataset with .targets)")
     workers = placement.workers(cfg.num_workers, device)
-    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, workers)
+    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, workers,
+                      collate=source.collate)
     served = {}  # each split's batches: tensors on the device or in host memory, or a Dataset for workers
     for split, pair in splits.items():
-        kept = ((each(lambda _, t: t.to(device), pair[0]), pair[1].to(device)) if held.where == "device" else
+        kept = (tuple(each(lambda _, t: t.to(device), part) for part in pair) if held.where == "device" else
                 pair if held.where == "host" else (pair if streamed else Examples(*pair), None))
         served[split] = Batches(*kept, serving, train=split == "train", image=image, targets=spec,
                                 class_ids=spec.class_ids if cfg.balance_classes else None)
@@ -349,10 +354,9 @@ def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list
     steps, (train, images), (spec, needs) = {}, found, fitting
     for key, example in images.items():
         channels, size, stats = example.shape[0], example.shape[-1], source.stats
-        if stats is None and not isinstance(train, tuple):
-            raise UserError(f"{cfg.dataset}'s images come from a Dataset: give its Source stats=(mean, std), "
-                            "per channel in [0, 1] (data.py's image_files shows how)")
-        if stats is None:  # the training images' own statistics
+        if stats is None and not isinstance(train, tuple):  # a sample of the training images', read now
+            stats = sampled_stats(train, key, channels, notes)
+        elif stats is None:  # the training images' own statistics
             x = members(train[0])[key].float().div_(255).transpose(0, 1).reshape(channels, -1)
             stats = x.mean(1), x.std(1).clamp_min(1e-3)
         elif len(stats[0]) != channels:

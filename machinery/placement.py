@@ -32,7 +32,7 @@ def held_bytes(splits: dict) -> int | None:
     total = 0
     for examples in splits.values():
         if isinstance(examples, tuple):
-            total += total_bytes(examples[0]) + examples[1].nbytes
+            total += total_bytes(examples[0]) + total_bytes(examples[1])
         elif isinstance(examples, ImageFiles):
             total += len(examples) * (examples.channels * examples.size ** 2 + 8)
         else:

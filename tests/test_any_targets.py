@@ -3,16 +3,25 @@ data gives them (a binned regression's [N] floats for 10 outputs) and reports ex
 class ids on inputs that are not images are no one class per example (--balance-classes is one line);
 crops and flips asked of inputs that are not images are one line."""
 
+import dataclasses
+import functools
+import json
+import re
+
 import pytest
 import torch
-from conftest import add_entries, build_loaders, run_main
-from forks import binned
+from conftest import ROOT, add_entries, build_loaders, run_main
+from entries import entries
+from forks import binned, paired
 from test_faults import assert_one_line_failure
 
 import data
+import models
 import train
-from configs import parse_config
+from configs import UserError, parse_config
 from evaluate import load_trained
+from machinery import checkpoints
+from machinery.inputs import Examples
 
 SMALL = ["--width", "4", "--device", "cpu", "--num-workers", "0"]
 
@@ -65,3 +74,98 @@ def test_crops_and_flips_asked_of_clips_are_one_line(tmp_path, monkeypatch, caps
     line = assert_one_line_failure(code, out, err)
     assert "clips's Source asks for crops and flips (pad=2, flip=True)" in line and "[3, 4, 8, 8]" in line
     assert "not uint8 [C, H, W] images" in line and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- issue 49: 6, 8 and 11
+
+def docs_block(first_line: str) -> str:
+    return next(body for _, body in re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "docs" / "your_data.md")
+                                               .read_text(), re.S | re.M) if body.startswith(first_line))
+
+
+def test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """docs/your_data.md's spectrograms of 50 to 200 frames, batched by their Source's collate (padded, with
+    their lengths as a second input), and its model, added as the page says: they train to the right
+    calls, and resume; without the collate the first batch is one line that says to pad (it was torch's
+    'stack expects each tensor to be equal size' traceback)."""
+    scope = {**vars(data), "DATASETS": {}}
+    exec(docs_block("def calls(cfg: Config) -> Source:"), scope)
+    model_scope = dict(vars(models))
+    exec(docs_block("class LengthPooled(nn.Module):"), model_scope)
+    monkeypatch.setitem(data.DATASETS, "calls", scope["DATASETS"]["calls"])
+    monkeypatch.setitem(models.MODELS, "lengthpooled", model_scope["LengthPooled"])
+    argv = ["--dataset", "calls", "--model", "lengthpooled", "--synthetic-size", "160", "--batch-size", "16",
+            "--width", "16", "--optimizer", "adamw", "--lr", "0.01", "--epochs", "3", "--device", "cpu",
+            "--num-workers", "0"]
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and summary["val_acc"] >= 0.9 and summary["steps"] == 24, (err, summary)
+    assert "lengthpooled takes [2, 1, 40, " in out and "float32 + [2] int64" in out, out
+    unpadded = functools.partial(lambda cfg: dataclasses.replace(scope["calls"](cfg), collate=None))
+    monkeypatch.setitem(data.DATASETS, "calls", unpadded)
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "unpadded")
+    line = assert_one_line_failure(code, out, err)
+    assert "a batch's examples differ in shape ([1, 40, " in line and "pad them to one shape" in line, line
+    assert "give its Source a collate=FUNCTION" in line and not (tmp_path / "unpadded").exists()
+
+
+def brightness_pairs(cfg, *, dataset: bool = False):
+    """binned_data's brightness images with tuple targets (levels [N], bins [N]): tensors, or a Dataset."""
+    source = entries("binned_data")[0]["brightness"](cfg)
+    pairs = [(x, (y, (y * 10).long().clamp(0, 9))) for x, y in (source.train, source.val)]
+    if dataset:
+        pairs = [Items(x, targets) for x, targets in pairs]
+    return data.Source(*pairs, source.names)
+
+
+class Items(torch.utils.data.Dataset):
+    """(inputs, targets) tensors row by row, as a fork's Dataset gives them: no .targets to read up front."""
+
+    def __init__(self, inputs, targets):
+        self.examples = Examples(inputs, targets)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int):
+        return self.examples[i]
+
+
+@pytest.mark.parametrize("dataset", [False, True], ids=["tensors", "a-dataset"])
+def test_targets_given_as_a_tuple_are_taken_as_a_tuple(dataset, tmp_path, monkeypatch, capsys):
+    """TARGETS = "any" and targets (levels, bins): read, checked and batched as a tuple, from tensors and
+    from a Dataset (whose first example's targets were torch.as_tensor'd: 'only one element tensors can
+    be converted to Python scalars'); a task that takes class ids refuses them in one line."""
+    monkeypatch.setitem(data.DATASETS, "pairs", functools.partial(brightness_pairs, dataset=dataset))
+    cfg = parse_config(["--dataset", "pairs", *SMALL, "--synthetic-size", "96", "--batch-size", "32",
+                        "--epochs", "2", "--out-dir", str(tmp_path)])
+    summary = train.train(cfg, None, paired)
+    said = "96 train, 24 val" if not dataset else "train's first, val's first"
+    assert f"targets checked: {said}, as the data gives them" in capsys.readouterr().out
+    _, val, _, _ = build_loaders(cfg, targets="any")
+    levels, bins = next(iter(val.epoch(0)))[1]
+    assert levels.dtype == torch.float32 and bins.dtype == torch.int64 and len(levels) == len(bins) == 24
+    assert 0 <= summary["val_distance"] < 0.5 and 0 <= summary["val_acc"] <= 1, summary
+    with pytest.raises(UserError, match=r"the train targets are a tuple of 2 tensors, and the task takes "
+                                        r"class ids, one tensor; give one, or set TARGETS = \"any\""):
+        build_loaders(cfg, targets="classes")
+
+
+def test_a_dataset_of_uint8_images_is_normalized_with_a_sample_of_its_own(tmp_path, monkeypatch, capsys):
+    """A Dataset whose items hold uint8 images needs no stats= any more (it was refused): the mean and std
+    of 256 of its 300 training examples, said at start-up, close to those of all of them."""
+    g = torch.Generator().manual_seed(5)
+    images = (torch.rand(375, 2, 1, 1, generator=g) * 150 + torch.randint(0, 100, (375, 2, 8, 8),
+                                                                            generator=g)).to(torch.uint8)
+    labels = (images.float().mean((1, 2, 3)) > 125).long()
+    source = data.Source(Items(images[:300], labels[:300]), Items(images[300:], labels[300:]), ["a", "b"])
+    monkeypatch.setitem(data.DATASETS, "frames", lambda cfg: source)
+    code, out, err = run_main(monkeypatch, capsys, "--dataset", "frames", *SMALL, "--batch-size", "50",
+                              "--channels", "2", "--epochs", "1", "--out-dir", tmp_path)
+    assert code == 0, err
+    assert "images: normalized with the mean and std of 256 of the 300 training examples (read at " in out
+    reading = checkpoints.load_checkpoint(tmp_path / "last.pt")["inputs"]["reading"]
+    pixels = images[:300].float().div(255).transpose(0, 1).reshape(2, -1)
+    assert torch.allclose(torch.tensor(reading["mean"]), pixels.mean(1), atol=0.01)
+    assert torch.allclose(torch.tensor(reading["std"]), pixels.std(1), atol=0.01)

@@ -89,6 +89,10 @@ PYTHON_BLOCKS = {
         "test_docs.py::test_the_load_trained_lines_run",
     "import onnxruntime  # with numpy and pillow: torch is not needed to run the model":
         "test_export.py::test_the_docs_onnxruntime_lines_run",
+    "def calls(cfg: Config) -> Source:  # in data.py: [1, 40, T] spectrograms, T from 50 to 200 frames":
+        "test_any_targets.py::test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line",
+    "class LengthPooled(nn.Module):  # in models.py, added to MODELS as \"lengthpooled\"":
+        "test_any_targets.py::test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line",
 }
 
 SHELL = ("python ", "python3 ", "torchrun ", "pip ", "bash ", "tensorboard ")
