@@ -75,8 +75,9 @@ def decoded(files: ImageFiles, folder: Path | None, split: str) -> Decoded:
     path = folder / f"{split}-{files.size}px-{files.mode.lower()}.u8" if folder else None
     header, old = _opened(path)
     if header and {k: v for k, v in header.items() if k != "digests"} == key:
-        kept = header.get("digests")  # a file written before the digests: hashed now
-        hashed = torch.from_numpy(np.frombuffer(bytes.fromhex(kept), "<i8").copy()) if kept else digests(old)
+        kept = header.get("digests")  # none (a file written before the digests), or not whole: hashed now
+        whole = isinstance(kept, str) and len(kept) == 16 * len(old)
+        hashed = torch.from_numpy(np.frombuffer(bytes.fromhex(kept), "<i8").copy()) if whole else digests(old)
         return Decoded(old, hashed, 0, time.perf_counter() - started, None)
     images = torch.empty(shape, dtype=torch.uint8)
     rows = {tuple(entry): row for row, entry in enumerate(header["files"])} if header and (
