@@ -21,7 +21,7 @@ import train
 from configs import UserError, parse_config
 from evaluate import load_trained
 from machinery import checkpoints
-from machinery.inputs import Examples
+from machinery.inputs import Examples, ExamplesDiffer, stacked
 
 SMALL = ["--width", "4", "--device", "cpu", "--num-workers", "0"]
 
@@ -108,6 +108,18 @@ def test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_
     line = assert_one_line_failure(code, out, err)
     assert "a batch's examples differ in shape ([1, 40, " in line and "pad them to one shape" in line, line
     assert "give its Source a collate=FUNCTION" in line and not (tmp_path / "unpadded").exists()
+
+
+def test_examples_of_different_shapes_from_a_dataloader_worker_are_the_same_one_line():
+    """Past the start-up check's first two examples (of one length, say), a batch a worker stacks arrives as
+    the same line, not the worker's traceback."""
+    clips = [(torch.zeros(1, frames), 0) for frames in (3, 3, 5, 3)]
+    loader = torch.utils.data.DataLoader(clips, batch_size=4, num_workers=1, collate_fn=stacked)
+    with pytest.raises(ExamplesDiffer) as refused:
+        next(iter(loader))
+    said = str(refused.value)
+    assert said.startswith("a batch's examples differ in shape ([1, 3] at entry 0 and [1, 5] at entry 2): "
+                           "pad them to one shape in the dataset") and "\n" not in said, said
 
 
 def brightness_pairs(cfg, *, dataset: bool = False):
