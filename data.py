@@ -8,6 +8,7 @@ Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's 
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class Source:
     pad: int = 0  # images: zero padding before the random crop (0: no crop)
     flip: bool = False  # images: left-right flips keep the labels
     stats: tuple | None = None  # images: per-channel (mean, std) tensors; None: the training images'
+    collate: Callable | None = None  # a Dataset's: its examples (a list) as one batch; None: torch's stacking
     notes: list[str] = field(default_factory=list)  # said once at start-up: files skipped, and why
 
     def __post_init__(self):  # outputs that are no classes (a box's numbers, an embedding) need no names

@@ -15,7 +15,7 @@ import torch
 
 import task as default_task
 from configs import Config, UserError, parse_given, validate
-from configs.resolve import evaluated_config
+from configs.resolve import EVALUATE_SETTINGS, evaluated_config
 from machinery import checkpoints, logs, processes, stops
 from machinery.batches import Batches, ImageSteps, Serving
 from machinery.contract import check_model
@@ -39,12 +39,11 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     with splits:
         batches = chosen_split(splits, cfg)
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
-        if ours and cfg.split in checkpoints.changed_files(ckpt.get("data") or {}, info.data_record()):
-            raise UserError(f"--split {cfg.split}: its files are not those {path}'s run was trained and "
-                            f"chosen with ({cfg.dataset} changed since: files added, removed or moved): its "
-                            "score could count what the model trained on; evaluate on the data as it was")
-        # A test split that shares training files: said at training's start-up, and here again
+        # A split that shares training files: a CSV's rows said at training's start-up, and here again; any
+        # split's images counted against the run's training images by their pixels
         shared = [note for note in info.notes if note.startswith(f"csv: {cfg.split}.csv lists")]
+        counted = ours and training_images_in(cfg.split, ckpt["data"], info, own="data_dir" not in given)
+        shared += [counted] if counted and not (shared and counted.startswith("the run's own")) else []
         load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
         check_model(model, batches, task, cfg, info)
         result = evaluate(model, batches, task, cfg, info, amp_setup(device, cfg.amp)[0])
@@ -52,7 +51,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
               f"{cfg.split}_size": batches.num_examples,
               **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details,
-              **({"note": shared[0]} if shared else {})}
+              **({"note": "; ".join(shared)} if shared else {})}
     if rank == 0:
         print(*shared, sep="\n")
         logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
@@ -71,6 +70,27 @@ def opened(cfg: Config, given: dict, task) -> tuple[Config, dict, Path, bool]:
         print(edited)
     cfg = evaluated_config(cfg, given, ckpt["config"], CHOICES) if ours else validate(cfg, CHOICES)
     return cfg, ckpt, path, ours
+
+
+def training_images_in(split: str, saved: dict, info, *, own: bool) -> str | None:
+    """How many of `split`'s images are among the training images of the run whose data record is `saved`
+    (by the digests of their pixels, whatever their files' names), said where any are, or where the split
+    is not the run's own (`own`: its --data-dir, and the same files); where it cannot be told, why."""
+    trained, mine = saved.get("train_digests"), (info.digests or {}).get(split)
+    own = own and split not in checkpoints.changed_files(saved, info.data_record())
+    size = info.sizes()[f"{split}_size"]
+    if trained is None or mine is None:
+        read = "the run read its files" if trained is None else "these files are read"
+        return None if own or not info.files else (
+            f"--split {split}: {size} images other than the run's own {split} files; whether any is one of "
+            f"its training images cannot be told ({read} every epoch by DataLoader workers: no digests kept)")
+    shared = int(torch.isin(mine, trained).sum())
+    whose = f"the run's own {split} files" if own else f"--split {split}"
+    if shared:
+        return (f"{whose}: {shared} of its {size} images are among the run's {len(trained)} training images "
+                "(the same pixels, whatever their names): its score counts images the model trained on")
+    return None if own else (f"--split {split}: {size} images, none of them among the run's {len(trained)} "
+                             "training images (compared by their pixels)")
 
 
 def chosen_split(splits, cfg: Config):
@@ -194,9 +214,16 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     return model.eval(), ckpt
 
 
+DESCRIPTION = ("Use a saved model: a split once through it (eval.json), --predict files with it, or --export "
+               "it. A train.py checkpoint brings its model and data settings; --dataset to --width are for a "
+               "plain state_dict.")
+
+
 def main() -> None:
     with stops.one_line("; nothing was written: run the command again", program=__name__ == "__main__"):
-        given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
+        given = parse_given(description=DESCRIPTION, choices=CHOICES, offered=EVALUATE_SETTINGS,
+                            elsewhere="evaluate.py trains nothing, and builds a checkpoint's model and data "
+                            "as its run did (--help lists what it takes)")
         cfg = Config(**given)
         if cfg.predict and cfg.export:
             raise UserError("--predict and --export are two commands: give one of them")

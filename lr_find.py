@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm
 
         import task
-        from configs import UserError, command_line, parse_config
+        from configs import UserError, command_line, parse_config, resolve
         from machinery import checkpoints, files, precision, processes, run_folder, stops
         from models import OPTIMIZERS, build_optimizer
         from schedules import SCHEDULES
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
                         caught=ValueError,  # a UserError, or a bad argument of lr_find()'s
                         program=__name__ == "__main__"):  # called in-process: a signal goes on to the caller
         cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
-                           {**CHOICES, "find_method": METHODS})
+                           {**CHOICES, "find_method": METHODS}, offered=resolve.SWEEP_SETTINGS)
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
         device = processes.pick_device(cfg.device, cfg.deterministic)
         checkpoints.seed_rngs(cfg.seed)

@@ -319,10 +319,10 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, True if value is None else _convert(self.dest, value))
 
 
-def _parser(description: str, choices: dict | None) -> _Parser:
+def _parser(description: str, choices: dict | None, offered: Collection[str]) -> _Parser:
     parser = _Parser(description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML preset, e.g. configs/cifar10.toml")
-    for f in fields(Config):
+    for f in (f for f in fields(Config) if f.name in offered):
         if f.name in ("resume", "compile"):  # given alone: plain --resume, torch.compile's default mode
             parser.add_argument(_flag(f.name), nargs="?", const={"resume": "last"}.get(f.name, "default"),
                                 default=argparse.SUPPRESS, metavar=f.name.upper(), help=f.metadata["help"])
@@ -341,29 +341,37 @@ def _parser(description: str, choices: dict | None) -> _Parser:
     return parser
 
 
-def parse_given(argv: list[str] | None = None, description: str = "", choices: dict | None = None) -> dict:
+def parse_given(argv: list[str] | None = None, description: str = "", choices: dict | None = None, *,
+                offered: Collection[str] | None = None, elsewhere: str = "another script takes it (train.py "
+                "or evaluate.py); --help lists this one's options") -> dict:
     """The settings the command line gives (flags, and the keys of its --config file), each of its
     field's type; not yet checked together, since a resume fills in the rest from its checkpoint.
-    `choices`: the names the front's lists give some fields, listed in --help (validate)."""
-    args, unknown = _parser(description, choices).parse_known_args(argv)
+    `choices`: the names the front's lists give some fields, listed in --help (validate). `offered`: the
+    fields this script takes (None: all); a flag of another field is refused in one line ending with
+    `elsewhere` (whose they are), and a --config file's other keys are left to the scripts they set."""
+    offered = _FIELDS if offered is None else offered
+    args, unknown = _parser(description, choices, offered).parse_known_args(argv)
     if unknown:
         bad = unknown[0]
         if bad.startswith("-"):
             flag = bad.split("=")[0]
-            flags = [_flag(n) for n in _FIELDS] + ["--config"]
+            if (name := flag[2:].replace("-", "_").removeprefix("no_")) in _FIELDS and name not in offered:
+                raise UserError(f"{flag} is not an option here: {elsewhere}")
+            flags = [_flag(n) for n in offered] + ["--config"]
             raise UserError(f"unknown option {flag}{_suggest(flag, flags)} (see --help)")
         raise UserError(f"unexpected argument {bad!r}; options look like --epochs 3")
     given = vars(args)
     config = given.pop("config", None)
-    values = load_toml(config) if config else {}
+    values = {k: v for k, v in load_toml(config).items() if k in offered} if config else {}
     for name, raw in given.items():
         values[name] = _convert(name, raw)
     return values
 
 
-def parse_config(argv: list[str] | None = None, description: str = "", choices: dict | None = None) -> Config:
+def parse_config(argv: list[str] | None = None, description: str = "", choices: dict | None = None, *,
+                 offered: Collection[str] | None = None) -> Config:
     """Build the Config from defaults, an optional --config TOML and command-line flags, checked."""
-    return validate(Config(**parse_given(argv, description, choices)), choices)
+    return validate(Config(**parse_given(argv, description, choices, offered=offered)), choices)
 
 
 def command_line(script: str, cfg: Config, leave_out: tuple[str, ...]) -> str:

@@ -26,6 +26,12 @@ LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not dep
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "image_cache", "amp",
                        "out_dir", "dist_timeout")
 MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")
+# What builds the model and data of a plain state_dict, which records neither; a train.py checkpoint's own
+# settings: given again, they must say what it says.
+STATE_DICT_SETTINGS = ("dataset", "image_size", "num_classes", "channels", "synthetic_size",
+                       "synthetic_val_size", "val_fraction", "model", "pretrained", "width")
+EVALUATE_SETTINGS = (*EVALUATE_FROM_FLAGS, *MODE_SETTINGS, *STATE_DICT_SETTINGS)  # evaluate.py's flags
+SWEEP_SETTINGS = tuple(name for name in _FIELDS if name not in MODE_SETTINGS)  # lr_find.py's: train.py's
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: dict | None = None) -> Config:
@@ -48,7 +54,13 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: di
 
 def evaluated_config(cfg: Config, given: dict, saved: dict, choices: dict | None = None) -> Config:
     """The config evaluate.py runs a checkpoint of ours with (`saved`: its config): built as it was
-    trained, run where the command line says (EVALUATE_FROM_FLAGS)."""
+    trained, run where the command line says (EVALUATE_FROM_FLAGS). A model or data setting given that
+    is not the checkpoint's is one line: the weights fit the model they were trained in."""
+    saved_as = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default
+    for name in (k for k in STATE_DICT_SETTINGS if k in given and given[k] != saved_as[k]):
+        raise UserError(f"--{name.replace('_', '-')} {given[name]}: the checkpoint's run was trained with "
+                        f"{name} {saved_as[name]!r}, and evaluate.py builds its model and data as the run "
+                        f"did; leave --{name.replace('_', '-')} out (it is for a plain state_dict)")
     here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
     mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
     return validate(Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, **mode,

@@ -13,19 +13,18 @@ from __future__ import annotations
 import math
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from configs import Config, UserError
-from machinery import image_cache, placement
+from machinery import placement
 from machinery.contract import IGNORE_INDEX, Targets, as_taken, check_splits
 from machinery.image_files import ImageFiles
-from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note
-from machinery.inputs import Examples, described, each, members, named, rows, take, total_bytes
-from machinery.placement import Placement
+from machinery.image_steps import ImageSteps, augment, fit_images, image_steps_note, sampled_stats
+from machinery.inputs import Examples, described, each, members, named, rows, stacked, take, total_bytes
 from machinery.signals import SIGNALS, worker_init
 
 
@@ -44,6 +43,7 @@ class DataInfo:
     reading: dict | None = None  # images: how they were read (size, resize, channels, mean, std)
     batches: int = 0  # this process's training batches per epoch
     files: dict[str, str] | None = None  # file datasets: each split's list, hashed (data.Source.files)
+    digests: dict[str, torch.Tensor] | None = None  # image files decoded: each image's pixels, hashed
     members: str | None = None  # several inputs: each one's shape and dtype ("[3, 8, 8] uint8 + [12] int64")
 
     def sizes(self) -> dict:
@@ -51,8 +51,10 @@ class DataInfo:
 
     def data_record(self) -> dict:
         """What a checkpoint records of the data, which a resume checks: the splits' sizes, the batches
-        per epoch (they fix the schedule) and the names of the outputs."""
-        return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files}
+        per epoch (they fix the schedule) and the names of the outputs; and what evaluate.py counts a
+        split's images against, the training images' digests (None: tensors, or files read every epoch)."""
+        return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files,
+                "train_digests": (self.digests or {}).get("train")}
 
     def inputs_record(self) -> dict:
         """What a checkpoint records of the inputs: evaluate.py (--predict, load_trained) reads it."""
@@ -81,6 +83,23 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
     return order[mine], offsets[mine], flips[mine]
 
 
+def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:
+    """What an epoch of `n` training examples trains where some sit out of it (a partial batch is dropped:
+    --compile's shapes stay static, BatchNorm never sees a batch of one), and a --batch-size that fits."""
+    per_rank, local = n // world_size, batch_size // world_size
+    batches, whole = per_rank // local, -(-per_rank // local)  # full batches; batches that take them all
+    if not (out := n - batches * batch_size):
+        return None
+    steps, fits = -(-batches // accum_steps), per_rank // whole * world_size
+    shards = f" and what does not divide over {world_size} processes" if n % world_size else ""
+    said = (f"training: {steps} optimizer step{'s' * (steps != 1)} an epoch ({batches} batch"
+            f"{'es' * (batches != 1)} of {batch_size}{f', {accum_steps} a step' * (accum_steps > 1)}); "
+            f"{out} of the {n} training examples {'sit' if out > 1 else 'sits'} out of each epoch, others "
+            f"each time (the last, partial batch is dropped{shards})")
+    left = n - fits * whole
+    return said + (f"; --batch-size {fits} leaves {left or 'none'} out, in {whole} batches" * (left < out))
+
+
 @dataclass(frozen=True)
 class Serving:
     """How a split's batches are served: the same for the training and the validation split."""
@@ -91,6 +110,7 @@ class Serving:
     rank: int = 0  # under torchrun, this process's shard of each epoch
     world_size: int = 1
     num_workers: int = 0  # DataLoader workers, where the data is not on the device
+    collate: Callable | None = None  # a Dataset's examples as one batch (data.Source's); None: inputs.stacked
 
 
 class Batches:
@@ -99,10 +119,11 @@ class Batches:
     inputs (one ImageSteps, or {member's key: ImageSteps} for several inputs); the others pass as they are.
     `targets`: how the task takes them (contract.check_splits); `class_ids`: training draws classes evenly."""
 
-    def __init__(self, source, labels: torch.Tensor | None, serving: Serving, *, train: bool,
+    def __init__(self, source, labels, serving: Serving, *, train: bool,
                  image: ImageSteps | dict | None = None, targets: Targets | None = None,
                  class_ids: torch.Tensor | None = None):
         self.source, self.labels, self.serving, self.train = source, labels, serving, train
+        self.collate = serving.collate or stacked  # a Dataset's examples as one batch
         self.targets, self.class_ids, self.device = targets, class_ids, serving.device
         self.images = image if isinstance(image, dict) else {} if image is None else {None: image}
         self.image = next(iter(self.images.values()), None)  # the first input's (pad and flip: every one's)
@@ -137,8 +158,8 @@ class Batches:
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split's first n examples as the model gets them, unaugmented, drawing no random number
         (read in this process: no worker starts): the start-up check's batch."""
-        batch = ((take(self.source, slice(0, n)), self.labels[:n]) if self.tensors else
-                 torch.utils.data.default_collate([self.source[i] for i in range(min(n, self.num_examples))]))
+        batch = ((take(self.source, slice(0, n)), take(self.labels, slice(0, n))) if self.tensors else
+                 self.collate([self.source[i] for i in range(min(n, self.num_examples))]))
         return self._prepared(*batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -156,7 +177,7 @@ class Batches:
         else:  # in order, each rank its shard
             order = torch.arange(s.rank, self.num_examples, s.world_size)
         if self.tensors:
-            plan = order.to(self.labels.device).split(bs)[start:]
+            plan = order.to(next(iter(members(self.labels).values())).device).split(bs)[start:]
             raw = ((self._gathered(self.source, idx), self._gathered(self.labels, idx)) for idx in plan)
         else:
             raw = self._from_workers(order[start * bs:].tolist())
@@ -187,7 +208,7 @@ class Batches:
         """A batch on the device as the model and the task take it: training images cropped and flipped by
         `crops` ((offsets, flips); the targets with them: by the task's augmented_targets, or dense ones as
         pixels), then normalized; floating inputs as float32."""
-        targets = targets.to(self.device, non_blocking=True)
+        targets = each(lambda _, t: t.to(self.device, non_blocking=True), targets)  # a tuple too ("any")
         if self.targets is not None:
             targets = as_taken(targets, self.targets.kind)
         if crops is not None and self.targets is not None and self.targets.follow:
@@ -220,7 +241,8 @@ class Batches:
             self._loader = torch.utils.data.DataLoader(
                 self.source, batch_size=s.batch_size, sampler=self._order, num_workers=s.num_workers,
                 pin_memory=self.device.type == "cuda", persistent_workers=s.num_workers > 0,
-                worker_init_fn=worker_init, generator=torch.Generator().manual_seed(s.seed))
+                collate_fn=self.collate, worker_init_fn=worker_init,
+                generator=torch.Generator().manual_seed(s.seed))
         self._order[:] = indices
         with SIGNALS.held_while_forking():  # its workers start here, on the first pass
             return iter(self._loader)
@@ -270,9 +292,10 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                             "dataset entry in data.py, or the files in --data-dir)")
     notes, files = list(source.notes), {split: examples.fingerprint() for split, examples in splits.items()
                                          if isinstance(examples, ImageFiles)} or None
-    splits, held = _held(cfg, splits, device, notes)  # image files that fit: decoded once, as tensors now
+    splits, held, digests = placement.held(cfg, splits, device, notes)  # image files that fit: tensors now
     streamed = not isinstance(splits["train"], tuple)  # a Dataset (files, say), read by workers
-    sample = splits["train"][0][0] if streamed else take(splits["train"][0], 0)  # the first example's inputs
+    collate = source.collate or stacked  # a Dataset's: the first example batched alone, as the model gets it
+    sample = take(collate([splits["train"][0]])[0] if streamed else splits["train"][0], 0)  # its inputs
     parts = members(sample)
     keys = [key for key, t in parts.items() if t.dtype == torch.uint8 and t.ndim == 3]  # the image inputs
     if needs.size and keys != [None]:
@@ -280,7 +303,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                         f"{cfg.dataset}'s inputs are {described(sample)}; add a model of yours to MODELS in "
                         "models.py")
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
-    spec, checked = check_splits(splits, list(source.names), targets, size)
+    spec, checked = check_splits(splits, list(source.names), targets, size, collate)
     spec.follow = follow
     image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
                                    (spec, needs), notes)
@@ -299,10 +322,11 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
         raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
                         "class id per example listed up front (tensors, or a Dataset with .targets)")
     workers = placement.workers(cfg.num_workers, device)
-    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, workers)
+    serving = Serving(cfg.batch_size // world_size, device, cfg.seed, rank, world_size, workers,
+                      collate=source.collate)
     served = {}  # each split's batches: tensors on the device or in host memory, or a Dataset for workers
     for split, pair in splits.items():
-        kept = ((each(lambda _, t: t.to(device), pair[0]), pair[1].to(device)) if held.where == "device" else
+        kept = (tuple(each(lambda _, t: t.to(device), part) for part in pair) if held.where == "device" else
                 pair if held.where == "host" else (pair if streamed else Examples(*pair), None))
         served[split] = Batches(*kept, serving, train=split == "train", image=image, targets=spec,
                                 class_ids=spec.class_ids if cfg.balance_classes else None)
@@ -311,6 +335,8 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     if len(served["train"]) == 0:
         raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
                         f"set ({served['train'].num_examples}); lower --batch-size")
+    if said := epoch_note(served["train"].num_examples, cfg.batch_size, world_size, cfg.accum_steps):
+        notes.append(said)
     loader = {"device": f"device-resident tensors on {device.type}", "dataloader": f"DataLoader with "
               f"{workers} workers", "host": f"host memory, pinned batches copied to {device}"}[held.where]
     key, x = next(iter(parts.items()))  # the one input, or the first of several: the model's channels
@@ -318,7 +344,7 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     info = DataInfo(batches=len(served["train"]), input_shape=(x.shape[0], resize, resize) if resize else
                     tuple(x.shape), input_dtype=torch.float32 if key in keys or x.is_floating_point() else
                     x.dtype, names=list(source.names), loader=loader, images=bool(keys), notes=notes,
-                    reading=reading, files=files, members=several,
+                    reading=reading, files=files, members=several, digests=digests,
                     class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info
@@ -333,10 +359,9 @@ def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list
     steps, (train, images), (spec, needs) = {}, found, fitting
     for key, example in images.items():
         channels, size, stats = example.shape[0], example.shape[-1], source.stats
-        if stats is None and not isinstance(train, tuple):
-            raise UserError(f"{cfg.dataset}'s images come from a Dataset: give its Source stats=(mean, std), "
-                            "per channel in [0, 1] (data.py's image_files shows how)")
-        if stats is None:  # the training images' own statistics
+        if stats is None and not isinstance(train, tuple):  # a sample of the training images', read now
+            stats = sampled_stats(train, key, channels, notes)
+        elif stats is None:  # the training images' own statistics
             x = members(train[0])[key].float().div_(255).transpose(0, 1).reshape(channels, -1)
             stats = x.mean(1), x.std(1).clamp_min(1e-3)
         elif len(stats[0]) != channels:
@@ -355,22 +380,3 @@ def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list
     channels, size = images[None].shape[0], images[None].shape[-1]
     return first, {"size": size, "resize": first.resize, "channels": channels, "mean": first.mean.tolist(),
                    "std": first.std.tolist()}
-
-
-def _held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> tuple[dict, Placement]:
-    """Where the splits live (placement.py), with image files that fit decoded once (image_cache.py) into
-    (uint8 images, class ids) tensors; said in `notes`."""
-    decodable = all(isinstance(examples, ImageFiles) for examples in splits.values())
-    held = placement.place(cfg.loader, device, needed=placement.held_bytes(splits), decoded=decodable)
-    where = {"device": f"on {device.type}", "host": "in host memory"}.get(held.where)
-    if decodable and where:
-        folder = image_cache.cache_folder(cfg.image_cache, cfg.data_dir)
-        done = image_cache.decode_splits(splits, folder)
-        said = image_cache.describe(folder, done)
-        notes.append(f"image files decoded once, held {where} ({held.why}): {said}")
-        return {split: (d.images, torch.tensor(splits[split].targets)) for split, d in done.items()}, held
-    if decodable:
-        notes.append(f"image files read every epoch by DataLoader workers ({held.why})")
-    elif held.where == "host":
-        notes.append(f"tensors held in host memory ({held.why})")
-    return splits, held

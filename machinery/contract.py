@@ -17,14 +17,14 @@ crops and flips only by the task's augmented_targets (image_steps.py refuses the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from configs import UserError, first_line
-from machinery.inputs import described, members, named
+from machinery.inputs import described, each, members, named, rows
 
 KINDS = ("classes", "values", "any")  # what task.TARGETS may say
 IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
@@ -43,22 +43,26 @@ class Targets:
     follow: Callable | None = None  # the task's augmented_targets: how its targets follow crops and flips
 
 
-def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None) -> tuple[Targets, str]:
+def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None,
+                 collate: Callable) -> tuple[Targets, str]:
     """Each split's targets read as the task takes them (`splits` maps a split's name to an (inputs,
-    targets) pair, converted in place, or to a Dataset) and checked; returns what was found, and a
-    line saying what was checked. `image_size`: the images' (H, W), or None where inputs are not images."""
+    targets) pair, converted in place, or to a Dataset, whose first example is batched alone by `collate`)
+    and checked; returns what was found, and a line saying what was checked. `image_size`: the images'
+    (H, W), or None where inputs are not images."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
     checked = []
     for split, pair in splits.items():
         listed = pair[1] if isinstance(pair, tuple) else getattr(pair, "targets", None)  # as ImageFolder
         whole = listed is not None  # else a Dataset's first item's targets stand for the rest
-        targets = _read_as(listed if whole else torch.as_tensor(pair[0][1])[None], kind, len(names), split)
+        first = None if whole else collate([pair[0]])[1]  # a batch of one: its targets as batches hold them
+        first = tuple(first) if isinstance(first, list) else first  # default_collate's list of a tuple
+        targets = _read_as(listed if whole else first, kind, len(names), split)
         if isinstance(pair, tuple):  # tensors: converted once here, checked whole
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
         _check_values(targets, kind, len(names), split)
-        checked.append(f"{len(targets)} {split}" if whole else f"{split}'s first")
+        checked.append(f"{rows(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
             dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
                 image_size)
@@ -106,8 +110,8 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
                         "summed loss (normalizer() says what it is divided by)")
     if free and not torch.isfinite(loss):
         raise UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, "
-                        f"{list(targets.shape)} {_dtype(targets)} targets): with TARGETS = \"any\" that is "
-                        "the check, so make the loss read these targets")
+                        f"{described(targets)} targets): with TARGETS = \"any\" that is the check, so make "
+                        "the loss read these targets")
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
@@ -124,8 +128,18 @@ def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
 # ---------------------------------------------------------------- the checks
 
 
-def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torch.Tensor:
-    """Targets in the dtype and shape the task takes, or one line saying why they cannot be."""
+def _read_as(targets, kind: str, outputs: int, split: str):
+    """Targets in the dtype and shape the task takes, or one line saying why they cannot be. "any" takes a
+    tuple or dict of tensors too (boxes and their labels, say): kept so, each one a row per example."""
+    parts = list(targets.values() if isinstance(targets, Mapping) else targets) if isinstance(
+        targets, (Mapping, tuple)) else []
+    if parts and all(isinstance(t, torch.Tensor) for t in parts):  # several tensors
+        if kind != "any":
+            wanted = "class ids" if kind == "classes" else "values"
+            raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(parts)} tensors, "
+                            f"and the task takes {wanted}, one tensor; give one, or set TARGETS = \"any\" in "
+                            "task.py for a loss that reads them so")
+        return each(lambda _, t: t, targets)
     targets = torch.as_tensor(targets)
     if kind == "classes":
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
@@ -140,9 +154,10 @@ def _read_as(targets: torch.Tensor, kind: str, outputs: int, split: str) -> torc
 def _check_finite(split: str, inputs, targets: torch.Tensor) -> None:
     """Each input tensor (machinery/inputs.py) and the targets: a row per example, finite numbers."""
     named_tensors = [(named(key), t) for key, t in members(inputs).items()]
-    for what, t in [*named_tensors, ("targets", targets)]:
-        if len(t) != len(targets):
-            raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {len(targets)}: give "
+    targets_named = [(named(key).replace("inputs", "targets"), t) for key, t in members(targets).items()]
+    for what, t in [*named_tensors, *targets_named]:
+        if len(t) != rows(targets):
+            raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {rows(targets)}: give "
                             "each input one row per example")
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
             bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value

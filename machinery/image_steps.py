@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from configs import Config, UserError
 from machinery.contract import Targets
+from machinery.inputs import members, named
 
 
 @dataclass
@@ -89,3 +90,26 @@ def fit_images(cfg: Config, needs, shape: tuple[int, int], stats: tuple, notes: 
             mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
         notes.append(f"inputs normalized with {needs.weights}'s mean and std")
     return resize, mean, std
+
+
+STATS_SAMPLE = 256  # training examples a Dataset's image statistics are read from, spread over it
+
+
+def sampled_stats(dataset, key, channels: int, notes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel mean and std, in [0, 1], of the uint8 image input `key` (machinery/inputs.py) of
+    STATS_SAMPLE examples spread evenly over a Dataset's (all of them, if fewer), read in this process, and
+    said in `notes`. torch's RNG is left as it was, in case the Dataset draws from it."""
+    count = min(len(dataset), STATS_SAMPLE)
+    sums = torch.zeros(2, channels, dtype=torch.float64)  # of the values, of their squares
+    pixels = 0
+    with torch.random.fork_rng(devices=[]):
+        for i in torch.linspace(0, len(dataset) - 1, count).round().long().tolist():
+            x = members(dataset[i][0])[key].double().div_(255).reshape(channels, -1)
+            sums += torch.stack([x.sum(1), x.square().sum(1)])
+            pixels += x.shape[1]
+    mean = sums[0] / pixels
+    std = (sums[1] / pixels - mean.square()).clamp_min(0).sqrt()
+    which = "" if key is None else f" ({named(key)})"
+    notes.append(f"images{which}: normalized with the mean and std of {count} of the {len(dataset)} training "
+                 "examples (read at start-up; a Source's stats=(mean, std) sets them)")
+    return mean.float(), std.float().clamp_min(1e-3)

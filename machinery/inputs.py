@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from configs import UserError
+from configs import UserError, first_line
 
 
 def members(inputs) -> dict:
@@ -47,16 +47,39 @@ def joined(parts: list):
 
 
 class Examples(torch.utils.data.Dataset):
-    """Tensor inputs (of any structure here) and targets, row by row: TensorDataset's, for workers."""
+    """Tensor inputs and targets (of any structure here), row by row: TensorDataset's, for workers."""
 
-    def __init__(self, inputs, targets: torch.Tensor):
+    def __init__(self, inputs, targets):
         self.inputs, self.targets = inputs, targets
 
     def __len__(self) -> int:
-        return len(self.targets)
+        return rows(self.targets)
 
     def __getitem__(self, index: int):
-        return take(self.inputs, index), self.targets[index]
+        return take(self.inputs, index), take(self.targets, index)
+
+
+class ExamplesDiffer(UserError):
+    """A batch of examples of different shapes, which torch's default_collate cannot stack. From a DataLoader
+    worker it arrives with the worker's traceback as text: its last line is ours."""
+
+    def __init__(self, message: str):
+        worker = "Original Traceback" in message
+        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
+
+
+def stacked(examples: list):
+    """A Dataset's examples as one batch, as torch's default_collate makes it (the batches of a Source that
+    gives no collate of its own); examples of different shapes are one line, not torch's stack error."""
+    try:
+        return torch.utils.data.default_collate(examples)
+    except RuntimeError as err:
+        if "equal size" not in str(err):
+            raise
+        shapes = str(err).partition("but got ")[2] or first_line(err)
+        raise ExamplesDiffer(f"a batch's examples differ in shape ({shapes}): pad them to one shape in the "
+                             "dataset (variable lengths: with their lengths as a second input), or give its "
+                             "Source a collate=FUNCTION that batches them (docs/your_data.md)") from None
 
 
 def rows(inputs) -> int:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from configs import UserError
+from configs import Config, UserError
+from machinery import image_cache
 from machinery.files import shown_size
 from machinery.image_files import ImageFiles
 from machinery.inputs import total_bytes
@@ -32,7 +33,7 @@ def held_bytes(splits: dict) -> int | None:
     total = 0
     for examples in splits.values():
         if isinstance(examples, tuple):
-            total += total_bytes(examples[0]) + examples[1].nbytes
+            total += total_bytes(examples[0]) + total_bytes(examples[1])
         elif isinstance(examples, ImageFiles):
             total += len(examples) * (examples.channels * examples.size ** 2 + 8)
         else:
@@ -66,6 +67,26 @@ def place(mode: str, device: torch.device, *, needed: int | None, decoded: bool)
     if needed <= DEVICE_MEMORY_SHARE * free:
         return Placement("device", f"{size} fit in {gpu}")
     return Placement("host", f"{size} exceed {gpu}: batches are gathered in host memory")
+
+
+def held(cfg: Config, splits: dict, device: torch.device, notes: list[str]) -> tuple[dict, Placement, dict]:
+    """Where the splits live (place), with image files that fit decoded once (image_cache.py) into
+    (uint8 images, class ids) tensors, said in `notes`; and their images' digests (image_cache.digests)."""
+    decodable = all(isinstance(examples, ImageFiles) for examples in splits.values())
+    held = place(cfg.loader, device, needed=held_bytes(splits), decoded=decodable)
+    where = {"device": f"on {device.type}", "host": "in host memory"}.get(held.where)
+    if decodable and where:
+        folder = image_cache.cache_folder(cfg.image_cache, cfg.data_dir)
+        done = image_cache.decode_splits(splits, folder)
+        said = image_cache.describe(folder, done)
+        notes.append(f"image files decoded once, held {where} ({held.why}): {said}")
+        held_splits = {split: (d.images, torch.tensor(splits[split].targets)) for split, d in done.items()}
+        return held_splits, held, {split: d.digests for split, d in done.items()}
+    if decodable:
+        notes.append(f"image files read every epoch by DataLoader workers ({held.why})")
+    elif held.where == "host":
+        notes.append(f"tensors held in host memory ({held.why})")
+    return splits, held, None
 
 
 def available_memory() -> int | None:

@@ -4,10 +4,16 @@ class ids on inputs that are not images are no one class per example (--balance-
 crops and flips asked of inputs that are not images are one line. Issue 49: boxes follow their images'
 crops and flips by the task's augmented_targets, and without it the crops and flips are one line."""
 
+import dataclasses
+import functools
+import json
+import re
+
 import pytest
 import torch
 from conftest import ROOT, add_entries, build_loaders, run_main
-from forks import binned, boxes
+from entries import entries
+from forks import binned, boxes, paired
 from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 
@@ -17,6 +23,7 @@ import train
 from configs import UserError, parse_config
 from evaluate import load_trained
 from machinery import batches, checkpoints
+from machinery.inputs import Examples, ExamplesDiffer, stacked
 
 SMALL = ["--width", "4", "--device", "cpu", "--num-workers", "0"]
 
@@ -160,3 +167,110 @@ def test_crops_and_flips_keep_one_target_an_example_and_refuse_targets_of_unknow
     else:
         assert "images: a random crop after 1 px of zero padding and random left-right flips" in " ".join(
             build_loaders(cfg, targets=kind)[3].notes)
+
+
+# ---------------------------------------------------------------- issue 49: 6, 8 and 11
+
+def docs_block(first_line: str) -> str:
+    return next(body for _, body in re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "docs" / "your_data.md")
+                                               .read_text(), re.S | re.M) if body.startswith(first_line))
+
+
+def test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """docs/your_data.md's spectrograms of 50 to 200 frames, batched by their Source's collate (padded, with
+    their lengths as a second input), and its model, added as the page says: they train to the right
+    calls, and resume; without the collate the first batch is one line that says to pad (it was torch's
+    'stack expects each tensor to be equal size' traceback)."""
+    scope = {**vars(data), "DATASETS": {}}
+    exec(docs_block("def calls(cfg: Config) -> Source:"), scope)
+    model_scope = dict(vars(models))
+    exec(docs_block("class LengthPooled(nn.Module):"), model_scope)
+    monkeypatch.setitem(data.DATASETS, "calls", scope["DATASETS"]["calls"])
+    monkeypatch.setitem(models.MODELS, "lengthpooled", model_scope["LengthPooled"])
+    argv = ["--dataset", "calls", "--model", "lengthpooled", "--synthetic-size", "160", "--batch-size", "16",
+            "--width", "16", "--optimizer", "adamw", "--lr", "0.01", "--epochs", "3", "--device", "cpu",
+            "--num-workers", "0"]
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and summary["val_acc"] >= 0.9 and summary["steps"] == 24, (err, summary)
+    assert "lengthpooled takes [2, 1, 40, " in out and "float32 + [2] int64" in out, out
+    unpadded = functools.partial(lambda cfg: dataclasses.replace(scope["calls"](cfg), collate=None))
+    monkeypatch.setitem(data.DATASETS, "calls", unpadded)
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "unpadded")
+    line = assert_one_line_failure(code, out, err)
+    assert "a batch's examples differ in shape ([1, 40, " in line and "pad them to one shape" in line, line
+    assert "give its Source a collate=FUNCTION" in line and not (tmp_path / "unpadded").exists()
+
+
+def test_examples_of_different_shapes_from_a_dataloader_worker_are_the_same_one_line():
+    """Past the start-up check's first two examples (of one length, say), a batch a worker stacks arrives as
+    the same line, not the worker's traceback."""
+    clips = [(torch.zeros(1, frames), 0) for frames in (3, 3, 5, 3)]
+    loader = torch.utils.data.DataLoader(clips, batch_size=4, num_workers=1, collate_fn=stacked)
+    with pytest.raises(ExamplesDiffer) as refused:
+        next(iter(loader))
+    said = str(refused.value)
+    assert said.startswith("a batch's examples differ in shape ([1, 3] at entry 0 and [1, 5] at entry 2): "
+                           "pad them to one shape in the dataset") and "\n" not in said, said
+
+
+def brightness_pairs(cfg, *, dataset: bool = False):
+    """binned_data's brightness images with tuple targets (levels [N], bins [N]): tensors, or a Dataset."""
+    source = entries("binned_data")[0]["brightness"](cfg)
+    pairs = [(x, (y, (y * 10).long().clamp(0, 9))) for x, y in (source.train, source.val)]
+    if dataset:
+        pairs = [Items(x, targets) for x, targets in pairs]
+    return data.Source(*pairs, source.names)
+
+
+class Items(torch.utils.data.Dataset):
+    """(inputs, targets) tensors row by row, as a fork's Dataset gives them: no .targets to read up front."""
+
+    def __init__(self, inputs, targets):
+        self.examples = Examples(inputs, targets)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int):
+        return self.examples[i]
+
+
+@pytest.mark.parametrize("dataset", [False, True], ids=["tensors", "a-dataset"])
+def test_targets_given_as_a_tuple_are_taken_as_a_tuple(dataset, tmp_path, monkeypatch, capsys):
+    """TARGETS = "any" and targets (levels, bins): read, checked and batched as a tuple, from tensors and
+    from a Dataset (whose first example's targets were torch.as_tensor'd: 'only one element tensors can
+    be converted to Python scalars'); a task that takes class ids refuses them in one line."""
+    monkeypatch.setitem(data.DATASETS, "pairs", functools.partial(brightness_pairs, dataset=dataset))
+    cfg = parse_config(["--dataset", "pairs", *SMALL, "--synthetic-size", "96", "--batch-size", "32",
+                        "--epochs", "2", "--out-dir", str(tmp_path)])
+    summary = train.train(cfg, None, paired)
+    said = "96 train, 24 val" if not dataset else "train's first, val's first"
+    assert f"targets checked: {said}, as the data gives them" in capsys.readouterr().out
+    _, val, _, _ = build_loaders(cfg, targets="any")
+    levels, bins = next(iter(val.epoch(0)))[1]
+    assert levels.dtype == torch.float32 and bins.dtype == torch.int64 and len(levels) == len(bins) == 24
+    assert 0 <= summary["val_distance"] < 0.5 and 0 <= summary["val_acc"] <= 1, summary
+    with pytest.raises(UserError, match=r"the train targets are a tuple of 2 tensors, and the task takes "
+                                        r"class ids, one tensor; give one, or set TARGETS = \"any\""):
+        build_loaders(cfg, targets="classes")
+
+
+def test_a_dataset_of_uint8_images_is_normalized_with_a_sample_of_its_own(tmp_path, monkeypatch, capsys):
+    """A Dataset whose items hold uint8 images needs no stats= any more (it was refused): the mean and std
+    of 256 of its 300 training examples, said at start-up, close to those of all of them."""
+    g = torch.Generator().manual_seed(5)
+    images = (torch.rand(375, 2, 1, 1, generator=g) * 150 + torch.randint(0, 100, (375, 2, 8, 8),
+                                                                            generator=g)).to(torch.uint8)
+    labels = (images.float().mean((1, 2, 3)) > 125).long()
+    source = data.Source(Items(images[:300], labels[:300]), Items(images[300:], labels[300:]), ["a", "b"])
+    monkeypatch.setitem(data.DATASETS, "frames", lambda cfg: source)
+    code, out, err = run_main(monkeypatch, capsys, "--dataset", "frames", *SMALL, "--batch-size", "50",
+                              "--channels", "2", "--epochs", "1", "--out-dir", tmp_path)
+    assert code == 0, err
+    assert "images: normalized with the mean and std of 256 of the 300 training examples (read at " in out
+    reading = checkpoints.load_checkpoint(tmp_path / "last.pt")["inputs"]["reading"]
+    pixels = images[:300].float().div(255).transpose(0, 1).reshape(2, -1)
+    assert torch.allclose(torch.tensor(reading["mean"]), pixels.mean(1), atol=0.01)
+    assert torch.allclose(torch.tensor(reading["std"]), pixels.std(1), atol=0.01)

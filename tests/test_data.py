@@ -87,6 +87,25 @@ def test_training_drops_the_partial_batch_but_evaluation_never_does():
     assert sorted(torch.cat([y for s in shards for _, y in s.epoch(0)]).tolist()) == list(range(44))
 
 
+@pytest.mark.parametrize("size, flags, rank_world, said", [
+    (240, [], (0, 1), "training: 1 optimizer step an epoch (1 batch of 128); 112 of the 240 training "
+     "examples sit out of each epoch, others each time (the last, partial batch is dropped); --batch-size "
+     "120 leaves none out, in 2 batches"),
+    (241, ["--batch-size", "64", "--accum-steps", "2"], (1, 2), "training: 2 optimizer steps an epoch (3 "
+     "batches of 64, 2 a step); 49 of the 241 training examples sit out of each epoch, others each time (the "
+     "last, partial batch is dropped and what does not divide over 2 processes); --batch-size 60 leaves 1 "
+     "out, in 4 batches"),
+    (256, [], (0, 1), None),
+], ids=["a small folder", "torchrun and accumulation", "every example trains"])
+def test_start_up_says_what_an_epoch_trains_where_examples_sit_out(size, flags, rank_world, said):
+    """Issue 49, 14: 240 examples at the default --batch-size made one step an epoch, 112 sitting out of
+    every one, in silence."""
+    cfg = parse_config(["--dataset", "synthetic", "--synthetic-size", str(size), "--image-size", "4", *flags])
+    train, _, _, info = build_loaders(cfg, CPU, *rank_world)
+    assert [note for note in info.notes if note.startswith("training: ")] == ([said] if said else [])
+    assert len(train) == info.batches == (size // rank_world[1]) // (cfg.batch_size // rank_world[1])
+
+
 def test_order_is_reproducible_from_seed_and_epoch_and_resumable_mid_epoch():
     images, labels = indexed_images()
     a, b = make_batches(images, labels), make_batches(images, labels)

@@ -8,6 +8,7 @@ import csv
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +106,23 @@ def test_a_changed_added_or_removed_file_is_decoded_again_and_only_it(images):
     cut = place / "train-8px-rgb.u8"  # cut short (a copy that stopped): not a cache, decoded again
     cut.write_bytes(cut.read_bytes()[:5000])
     assert image_cache.decoded(split_files(images), place, "train").decoded == 18
+
+
+def test_each_image_has_the_digest_of_its_pixels_decoded_or_from_the_cache(images):
+    """The digests evaluate.py counts a split's images by (issue 49, 5): of the pixels, so a renamed copy has
+    its original's; the same read back from the cache file's header, where a file without them is hashed."""
+    place = images / ".image-cache"
+    fresh = image_cache.decoded(split_files(images), place, "train")
+    cached = image_cache.decoded(split_files(images), place, "train")
+    assert cached.decoded == 0 and torch.equal(cached.digests, fresh.digests)
+    assert torch.equal(fresh.digests, image_cache.digests(reads(split_files(images))))
+    assert len(set(fresh.digests.tolist())) == 18  # every image its own
+    shutil.copy(images / "train" / "a" / "0.png", images / "val" / "b" / "copy.png")
+    val = image_cache.decoded(split_files(images, "val"), place, "val")
+    assert int(torch.isin(val.digests, fresh.digests).sum()) == 1
+    header, pixels = image_cache._opened(place / "train-8px-rgb.u8")  # as written before the digests
+    image_cache._kept(place / "train-8px-rgb.u8", {k: v for k, v in header.items() if k != "digests"}, pixels)
+    assert torch.equal(image_cache.decoded(split_files(images), place, "train").digests, fresh.digests)
 
 
 def test_a_second_run_lr_find_and_evaluate_open_no_image_file(images, tmp_path, monkeypatch, capsys):

@@ -309,7 +309,8 @@ def test_torch_loads_a_checkpoint_written_while_signals_are_held(tmp_path):
     torch.manual_seed(0)  # a plain save of train.py's format round-trips (weights_only)
     train.train(parse_config([*TINY, "--epochs", "1", "--out-dir", str(tmp_path)]))
     assert torch.load(tmp_path / "last.pt", weights_only=True)["data"] == {
-        "train_size": 64, "val_size": 16, "test_size": 16, "batches": 4, "names": ["0", "1"], "files": None}
+        "train_size": 64, "val_size": 16, "test_size": 16, "batches": 4, "names": ["0", "1"], "files": None,
+        "train_digests": None}
 
 
 def test_a_closed_output_stops_the_run_after_its_save(tmp_path):
