@@ -32,7 +32,7 @@ from machinery.signals import SIGNALS, worker_init
 
 MAGIC = b"tt-img01"  # a cache file's first bytes, then the header's length and the header (JSON)
 PAGE = 4096  # the pixels start at a page boundary, so that they map
-DECODE_BATCH = 64  # files a decoding worker reads per batch
+WORKERS_FROM = 256  # files to decode from which workers pay for their start
 
 
 @dataclass
@@ -136,13 +136,15 @@ def _start(header_length: int) -> int:
 
 def _decode(files: ImageFiles, missing: list[int], into: torch.Tensor, split: str) -> None:
     """The `missing` files read into their rows, in parallel: DataLoader workers, one per CPU core this
-    process may use (rank 0 decodes alone), for more than a few batches."""
+    process may use (rank 0 decodes alone), from WORKERS_FROM files; each worker's batches as large as
+    give it about four (a batch handed over costs more than its files), 32 to 512 files."""
     if not missing:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(cores, 16) if len(missing) > 4 * DECODE_BATCH else 0
+    workers = min(cores, 16) if len(missing) >= WORKERS_FROM else 0
+    batch = max(32, min(512, len(missing) // (4 * max(workers, 1))))
     # its own generator: the global one, which seeds the model, must not depend on whether a cache existed
-    loader = torch.utils.data.DataLoader(_Reads(files, missing), batch_size=DECODE_BATCH, num_workers=workers,
+    loader = torch.utils.data.DataLoader(_Reads(files, missing), batch_size=batch, num_workers=workers,
                                          worker_init_fn=worker_init, generator=torch.Generator())
     done = 0
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -189,6 +190,8 @@ def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError
         processes.cleanup()
         if not program:
             SIGNALS.hand_on()
+        else:  # the process ends next: its last collection walked torch's millions of objects, 0.7 s on exit
+            gc.freeze()
 
 
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:

@@ -339,7 +339,7 @@ runpy.run_path({launch!r}, run_name="__main__")
 def test_a_signal_while_workers_start_is_one_line(images, tmp_path):
     """Workers fork to decode: a signal inside a fork's callbacks was printed as 'Exception ignored in
     _releaseLock' with its traceback; held while they start, it stops the run in one line."""
-    for k in range(260):  # over four decoding batches: workers decode
+    for k in range(260):  # 278 training files, over WORKERS_FROM: workers decode them
         Image.new("RGB", (9, 9), (k, 0, 0)).save(images / "train" / "a" / f"extra{k}.png")
     script = tmp_path / "signalled.py"
     script.write_text(FORK_SIGNALLED.format(root=str(ROOT), launch=LAUNCH[1]))
@@ -349,3 +349,19 @@ def test_a_signal_while_workers_start_is_one_line(images, tmp_path):
     assert done.returncode == 128 + signal.SIGINT, done.stderr[-2000:]
     assert done.stderr.startswith("error: interrupted by SIGINT"), done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_read_is_torchvisions_resize_center_crop_and_pil_to_tensor_pixel_for_pixel(tmp_path):
+    """machinery/image_files.fitted does what torchvision's transforms do on a PIL image, without their 2 s
+    import: every short side, long side, orientation, a size up and a size down, RGB and grayscale."""
+    from torchvision import transforms as T
+
+    from machinery.image_files import fitted
+
+    g = torch.Generator().manual_seed(3)
+    for width, height in [(8, 8), (9, 8), (8, 9), (13, 7), (7, 13), (96, 96), (100, 61), (5, 3), (31, 32)]:
+        pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy()
+        for image in (Image.fromarray(pixels), Image.fromarray(pixels).convert("L")):
+            for size in (4, 8, 11, 32):
+                expected = T.Compose([T.Resize(size), T.CenterCrop(size), T.PILToTensor()])(image)
+                assert torch.equal(fitted(image, size), expected), (width, height, image.mode, size)
