@@ -83,8 +83,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
     progress = checkpoints.restore(resumed, info, cfg.epochs, Progress, model=model, optimizer=optimizer,
-                                   scheduler=scheduler, scaler=scaler, ema=ema and ema.average
-                                   ) if resumed else Progress()
+                                   scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
     compiled = compile_model(model, ema.average if ema else model, cfg.compile, device, notes=info.notes,
                              accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // world_size)
     ddp_model = processes.data_parallel(compiled.training, device)  # under torchrun: its one DDP wrapper
@@ -136,7 +135,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
                 # The optimizer step, and the scheduler's with it (both skipped where GradScaler finds inf
                 # gradients); the average follows the steps taken. The rate is a host number: no sync.
-                tensorboard.point("train/lr", progress.step + 1, optimizer.param_groups[0]["lr"])
+                rate = optimizer.param_groups[0]["lr"]  # this step's, logged at the log point
                 if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
                     progress.averaged += 1
                     ema.update(progress.averaged)
@@ -148,7 +147,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 log_point = progress.step % cfg.log_every == 0 or progress.batch == info.batches
                 if log_point:
                     train_loss, losses, counts = (torch.stack(losses).sum() / sum(counts)).item(), [], []
-                    tensorboard.write(("train/loss", progress.step, train_loss))
+                    tensorboard.write(("train/loss", progress.step, train_loss),
+                                      ("train/lr", progress.step, rate))
                     bar.update(progress.batch - bar.n)
                     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
                     stop.check_divergence(train_loss, device)

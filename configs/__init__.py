@@ -139,8 +139,8 @@ class Config:
                                   "fails (a download or a first compile on one rank must fit; NCCL's own "
                                   "default is 10)", limits="> 0")
     out_dir: str = setting("runs/default", "logs, checkpoints, config.json, summary.json, lr_find.json")
-    log_every: int = setting(20, "optimizer steps between reads of the loss from the device (train/lr "
-                             "is logged every step)", limits="> 0")
+    log_every: int = setting(20, "optimizer steps between log points: the loss read from the device, and "
+                             "it and the step's rate logged", limits="> 0")
     save_every: int = setting(0, "optimizer steps between checkpoints; 0: at epoch ends only",
                               limits=">= 0")
     early_stop: int = setting(0, "stop once the task's main metric has not improved for this many "

@@ -209,11 +209,13 @@ def changed_files(saved: dict, data: dict) -> list[str]:
     return [split for split in now if split in before and before[split] != now[split]]
 
 
-def restore(resumed: Resumed, info, epochs: int, record: type, **objects):
+def restore(resumed: Resumed | None, info, epochs: int, record: type, **objects):
     """A checkpoint's states back into the run's `objects` (model, optimizer, scheduler, scaler, ema: a None
     is skipped), then its RNGs, on data (`info`: batches.DataInfo) that gives the epochs its schedule was
     built for; one UserError line if anything does not fit. Returns where the run stands, its part counted,
-    as a `record` (train.Progress), which must know each of the saved run's fields."""
+    as a `record` (train.Progress), which must know each of the saved run's fields (a new run: a new one)."""
+    if resumed is None:
+        return record()
     check_same_data(resumed, info.data_record())
     if unknown := sorted(set(resumed.state["run"]) - {f.name for f in dataclasses.fields(record)}):
         raise UserError(f"checkpoint {resumed.path} was written by another version of train.py (its run "

@@ -33,8 +33,8 @@ class TensorBoard(contextlib.AbstractContextManager):
     is one UserError line naming out_dir; on any error the files are closed quietly, keeping the curves
     so far (a diverged run's).
 
-    Scalars are kept on the host (`point`) and handed on at log points (`write`), so that a step does no
-    host work for them; `flush` (before each save) puts all so far in the files. metrics.csv has one
+    Scalars are written at log points alone (`write`: the loss and the step's rate), so that a step does
+    no host work for them; `flush` (before each save) puts all so far in the files. metrics.csv has one
     `step,tag,value,wall_time` row a point, for pandas or a spreadsheet; a resume drops its rows past the
     checkpoint (and the test pass's), as TensorBoard's purge drops its points."""
 
@@ -43,7 +43,7 @@ class TensorBoard(contextlib.AbstractContextManager):
         into a subfolder named after that run's start (`moved`), so the two do not draw over each other. A
         resumed run (`resumed`: checkpoints.Resumed) tells TensorBoard to drop what the interrupted process
         logged after its checkpoint (purge_step), which it logs again, and continues its trackers' runs."""
-        self.out_dir, self.writer, self.moved, self.points, self.csv = out_dir, None, None, [], None
+        self.out_dir, self.writer, self.moved, self.csv = out_dir, None, None, None
         self.active, self.trackers, names = active, {}, cfg.log_to.split(",")
         if not active:
             return
@@ -97,17 +97,12 @@ class TensorBoard(contextlib.AbstractContextManager):
                 with contextlib.suppress(Exception):  # the run's own error is the line to say
                     tracker.stop()
 
-    def point(self, tag: str, step: int, value: float) -> None:
-        """A scalar, kept until the next write()."""
-        if self.active:
-            self.points.append((tag, step, value))
-
-    def write(self, *points: tuple[str, int, float]) -> None:
-        """The points kept so far and `points` (tag, step, value) to the writer, whose thread writes them,
-        to metrics.csv and to the trackers."""
+    def write(self, *rows: tuple[str, int, float]) -> None:
+        """Points (tag, step, value) to the writer, whose thread writes them, to metrics.csv and to the
+        trackers."""
         if self.active:
             with self._errors():
-                now, rows = time.time(), [*self.points, *points]
+                now = time.time()
                 for tag, step, value in rows if self.writer else ():
                     self.writer.add_scalar(tag, value, step, walltime=now)
                 if self.csv:
@@ -115,11 +110,9 @@ class TensorBoard(contextlib.AbstractContextManager):
                         (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
                 for tracker in self.trackers.values():
                     tracker.scalars(rows)
-        self.points = []
 
     def flush(self) -> None:
         """Everything so far into the files: before a save, so that the logs hold each step saved."""
-        self.write()
         with self._errors():
             for file in (self.writer, self.csv):
                 if file:
@@ -143,7 +136,6 @@ class TensorBoard(contextlib.AbstractContextManager):
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
-        self.write()
         with self._errors():
             for tracker in self.trackers.values():
                 tracker.finish(summary, [self.out_dir / "config.json", self.out_dir / "summary.json"])

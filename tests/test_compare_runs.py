@@ -131,7 +131,8 @@ def test_a_new_run_moves_a_csv_runs_logs_into_a_folder_named_after_that_runs_sta
     with open(tmp_path / "metrics.csv", "w", newline="") as f:
         csv.writer(f).writerows([["step", "tag", "value", "wall_time"], *rows])
     train.train(parse_config(argv))
-    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["20250131-120006"]  # its first row: step 1
+    first = time.strftime("%Y%m%d-%H%M%S", time.localtime(rows[0][3]))  # its first row: the first log point
+    assert first > "20250131-120005" and [p.name for p in tmp_path.iterdir() if p.is_dir()] == [first]
     (tmp_path / "metrics.csv").write_text("step,tag,value,wall_time\n")  # a run stopped before its first row
     os.utime(tmp_path / "metrics.csv", (then, then))
     assert logs.run_start([], tmp_path) == then

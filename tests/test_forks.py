@@ -75,7 +75,7 @@ def test_a_task_fork_changes_task_py_and_adds_a_dataset(name, tmp_path):
     assert report[f"val_{metric}"] == pytest.approx(summary[f"best_val_{metric}"])
     scalars = read_scalars(project / "a")
     assert {"train/loss", "train/lr", "val/loss", f"val/{metric}"} <= scalars.keys()
-    assert [step for step, _ in scalars["train/lr"]] == list(range(1, summary["steps"] + 1))
+    assert [step for step, _ in scalars["train/lr"]] == [step for step, _ in scalars["train/loss"]]
 
     # --predict: the fork's task.py says what a row of predictions.csv is
     (project / "new").mkdir()

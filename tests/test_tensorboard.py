@@ -186,9 +186,9 @@ def test_two_fresh_runs_and_a_kill_9_then_resume_log_every_step_once(tmp_path):
 
 
 def test_scalars_reach_the_writer_at_log_points_only_several_at_a_time(tmp_path, monkeypatch):
-    """A step keeps its points on the host; SummaryWriter.add_scalar runs only inside write(), at log
-    points and saves (each call hands a point to TensorBoard's writer thread: host work a step need not
-    do), several points a write; what TensorBoard reads is every step."""
+    """A step between log points logs nothing: SummaryWriter.add_scalar runs only inside write(), at log
+    points (each call hands a point to TensorBoard's writer thread, about 45 us of CPU: host work a step
+    need not do), the loss and the step's rate together; issue 48 took train/lr out of every step."""
     from torch.utils.tensorboard import SummaryWriter
 
     real_add, real_write, writes, outside = SummaryWriter.add_scalar, logs.TensorBoard.write, [], []
@@ -200,7 +200,7 @@ def test_scalars_reach_the_writer_at_log_points_only_several_at_a_time(tmp_path,
         return real_add(self, *args, **kwargs)
 
     def write(self, *points):
-        inside[0], kept = True, len(self.points) + len(points)
+        inside[0], kept = True, len(points)
         try:
             real_write(self, *points)
         finally:
@@ -211,8 +211,8 @@ def test_scalars_reach_the_writer_at_log_points_only_several_at_a_time(tmp_path,
     monkeypatch.setattr(logs.TensorBoard, "write", write)
     train.train(parse_config([*RUN, "--log-every", "4", "--out-dir", str(tmp_path)]))
     assert outside == []
-    assert max(writes) > 1 and sum(writes) == 16 + 4 + 2 * 2 + 2  # train/lr, train/loss, val/*, test/*
+    assert max(writes) > 1 and sum(writes) == 4 + 4 + 2 * 2 + 2  # train/lr, train/loss, val/*, test/*
     acc = events(tmp_path)
-    assert [e.step for e in acc.Scalars("train/lr")] == STEPS
+    assert [e.step for e in acc.Scalars("train/lr")] == [4, 8, 12, 16]
     assert [e.step for e in acc.Scalars("val/acc")] == [8, 16]
     assert [e.step for e in acc.Images("val/confusion")] == [8, 16]
