@@ -7,11 +7,14 @@ Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's 
 [N, C, H, W] inputs are images, which get crops, flips and normalization on the device."""
 
 import functools
+import gzip
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 import torch.nn.functional as F
 
@@ -48,15 +51,30 @@ class Source:
 def digits(cfg: Config) -> Source:
     """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image test split; val is
     --val-fraction of the other 1437."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = torch.from_numpy(bunch.images * (255 / 16)).round().to(torch.uint8).unsqueeze(1)
-    labels = torch.from_numpy(bunch.target).long()
+    rows = bundled_digits()
+    images = torch.from_numpy(rows[:, :64] * (255 / 16)).round().to(torch.uint8).reshape(-1, 1, 8, 8)
+    labels = torch.from_numpy(rows[:, 64]).long()
     test, rest = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1797)).split([360, 1437])
     train, val = (rest[at] for at in hold_out(labels[rest], cfg.val_fraction, "digits"))
     return Source((images[train], labels[train]), (images[val], labels[val]), list("0123456789"), pad=1,
                   test=(images[test], labels[test]))
+
+
+def bundled_digits() -> numpy.ndarray:
+    """digits.csv.gz's [1797, 65] rows (64 pixels in 0..16, then the label) read as load_digits reads them,
+    without importing scikit-learn (a second of every run's start-up); load_digits itself where the file
+    is not where scikit-learn keeps it."""
+    spec = importlib.util.find_spec("sklearn")  # found, not imported
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path and path.is_file():
+        with gzip.open(path) as file:
+            rows = numpy.loadtxt(file, delimiter=",")
+        if rows.shape == (1797, 65):
+            return rows
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return numpy.column_stack([bunch.data, bunch.target])
 
 
 def synthetic(cfg: Config) -> Source:
