@@ -8,8 +8,8 @@ Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's 
 
 import functools
 import gzip
-import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,9 +64,9 @@ def bundled_digits() -> numpy.ndarray:
     """digits.csv.gz's [1797, 65] rows (64 pixels in 0..16, then the label) read as load_digits reads them,
     without importing scikit-learn (a second of every run's start-up); load_digits itself where the file
     is not where scikit-learn keeps it."""
-    spec = importlib.util.find_spec("sklearn")  # found, not imported
-    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
-    if path and path.is_file():
+    shipped = (Path(folder) / "sklearn" / "datasets" / "data" / "digits.csv.gz" for folder in sys.path)
+    path = next((path for path in shipped if path.is_file()), None)
+    if path:
         with gzip.open(path) as file:
             rows = numpy.loadtxt(file, delimiter=",")
         if rows.shape == (1797, 65):
