@@ -19,9 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from configs import Config, UserError
-from machinery.files import downloading
-from machinery.image_files import ImageFiles, csv_rows, folder_splits, printable
-from models import input_needs
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
@@ -98,6 +95,9 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
     Its official test split is the test split; val is --val-fraction of its training split."""
     import torchvision
 
+    from machinery.files import downloading
+    from machinery.image_files import printable
+
     cls, root = getattr(torchvision.datasets, class_name), Path(cfg.data_dir).absolute()
     failed = (f"dataset {cfg.dataset} is not in {printable(root.resolve())} and could not be downloaded "
               f"({{reason}}); run once with network access, or copy torchvision's {class_name} files there")
@@ -116,6 +116,8 @@ def torchvision_set(class_name: str, cfg: Config, pad: int = 2, flip: bool = Fal
 def image_folder(cfg: Config) -> Source:
     """--data-dir/{train,val}/<class>/<image>: torchvision's ImageFolder layout (classes: the sorted folder
     names); a test/ beside them (optional) is the test split."""
+    from machinery.image_files import folder_splits
+
     splits, names, notes = folder_splits(Path(cfg.data_dir))
     return image_files(cfg, splits, names, notes=notes)
 
@@ -124,6 +126,8 @@ def csv_images(cfg: Config) -> Source:
     """--data-dir/train.csv rows of `file,label` (a header first; file paths relative to --data-dir),
     as many datasets ship; --data-dir/val.csv too, or else a fixed --val-fraction of train.csv; and a
     --data-dir/test.csv (optional), the test split."""
+    from machinery.image_files import csv_rows, printable
+
     root, notes = Path(cfg.data_dir), []  # rows read as data, or dropped as repeats: said at start-up
     rows = {split: csv_rows(root, f"{split}.csv", notes) for split in ("train", "val", "test")
             if split == "train" or (root / f"{split}.csv").is_file()}
@@ -190,6 +194,9 @@ def image_files(cfg: Config, splits: dict[str, list], names: list[str], notes=()
     of image files: each read at one size (resized on its short side, center-cropped), uint8, RGB or
     grayscale (--channels), normalized with ImageNet's statistics (their mean if gray); flips allowed
     (--flip decides). They are decoded once where they fit, and kept (--image-cache)."""
+    from machinery.image_files import ImageFiles
+    from models import input_needs
+
     if cfg.channels not in (1, 3):
         raise UserError(f"{cfg.dataset} loads images as RGB (--channels 3) or grayscale (--channels 1), "
                         f"not with {cfg.channels} channels")

@@ -16,14 +16,14 @@ import torch
 import task as default_task
 from configs import Config, UserError, parse_given, validate
 from configs.resolve import EVALUATE_SETTINGS, evaluated_config
-from machinery import checkpoints, logs, processes, stops
-from machinery.batches import Batches, ImageSteps, Serving
+from machinery import checkpoints, logs, processes, reports, stops, workers
+from machinery.batches import ImageSteps, Serving
 from machinery.contract import check_model
 from machinery.export import export_model, staged
 from machinery.image_files import IMAGE_SUFFIXES, ImageFiles, UnreadableImage, csv_rows
 from machinery.image_files import printable as named
-from machinery.placement import workers
-from machinery.precision import amp_setup, autocast
+from machinery.processes import amp_setup, autocast
+from machinery.served import Batches
 from machinery.weights import load_weights
 from models import build_model
 from train import CHOICES, evaluate, setup
@@ -34,8 +34,8 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     state_dict with the model and data given as flags). Writes eval.json and the task's pictures next to
     the checkpoint (or into an --out-dir `given` here)."""
     cfg, ckpt, path, ours = opened(cfg, given, task)
-    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
-    splits, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=False)
+    process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
+    splits, info, model = setup(cfg, task, process.device, shard=(process.rank, process.world_size), fresh=False)
     with splits:
         batches = chosen_split(splits, cfg)
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
@@ -46,15 +46,15 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
         shared += [counted] if counted and not (shared and counted.startswith("the run's own")) else []
         load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
         check_model(model, batches, task, cfg, info)
-        result = evaluate(model, batches, task, cfg, info, amp_setup(device, cfg.amp)[0])
+        result = evaluate(model, batches, task, cfg, info, amp_setup(process.device, cfg.amp)[0], process)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
     report = {"checkpoint": str(path), "step": ckpt.get("step"), "dataset": cfg.dataset, "split": cfg.split,
               f"{cfg.split}_size": batches.num_examples,
               **{f"{cfg.split}_{name}": result.metrics[name] for name in task.METRICS}, **result.details,
               **({"note": "; ".join(shared)} if shared else {})}
-    if rank == 0:
+    if process.rank == 0:
         print(*shared, sep="\n")
-        logs.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
+        reports.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
 
 
 def opened(cfg: Config, given: dict, task) -> tuple[Config, dict, Path, bool]:
@@ -127,7 +127,7 @@ def predict(cfg: Config, given: dict, task=default_task) -> None:
         batches.close()  # its workers stop now, not when the traceback's frames go
     header, rows = task.predictions(torch.cat(outputs).cpu(), names, cfg.top_k)
     out_dir = Path(cfg.out_dir) if "out_dir" in given else path.parent
-    logs.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
+    reports.write_predictions(out_dir / "predictions.csv", header, rows, files, skipped, cfg.tta)
 
 
 def export(cfg: Config, given: dict, task=default_task) -> None:
@@ -182,7 +182,7 @@ def prediction_batches(cfg: Config, path: Path, reading: dict, device: torch.dev
     steps = ImageSteps(torch.tensor(reading["mean"]), torch.tensor(reading["std"]),
                        channels_last=cfg.channels_last, resize=reading["resize"])
     source = ImageFiles([(f, 0) for f in files], reading["size"], reading["channels"], path)
-    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=workers(cfg.num_workers, device))
+    serving = Serving(cfg.batch_size, device, cfg.seed, num_workers=workers.count(cfg.num_workers, device))
     return Batches(source, None, serving, train=False, image=steps), files, skipped
 
 

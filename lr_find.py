@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
 
         import task
         from configs import UserError, command_line, parse_config, resolve
-        from machinery import checkpoints, files, precision, processes, run_folder, stops
+        from machinery import checkpoints, files, processes, run_folder, stops
         from models import OPTIMIZERS, build_optimizer
         from schedules import SCHEDULES
         from train import CHOICES, setup
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         splits, info, model = setup(cfg, task, device)
         print(*info.notes, sep="\n")
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
-        amp_dtype, scaler = precision.amp_setup(device, cfg.amp)  # fresh, as train.py's is here
+        amp_dtype, scaler = processes.amp_setup(device, cfg.amp)  # fresh, as train.py's is here
         stream = (batch for epoch in itertools.count() for batch in splits.train.epoch(epoch))
         with splits, contextlib.closing(stream), tqdm(total=cfg.find_iters, desc="lr_find", leave=False,
                                                        disable=None) as bar:  # None: no bar without a TTY

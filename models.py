@@ -1,16 +1,10 @@
-"""Models and optimizers by name: what a fork edits (AMP, --compile and --ema are machinery/precision.py's).
-
-`resnet_small` is the default: a few residual blocks that train in seconds on 8-64 px images.
-`resnet9` is the well-known fast CIFAR-10 network. Your own go into MODELS, one line each. Any
-other name goes to torchvision's model registry, with its ImageNet weights under --pretrained.
-A new run can also start from a checkpoint's weights (--init-from). OPTIMIZERS is the one list of
-optimizers, each with its kind, which lr_find's rules read.
-"""
+"""Models and optimizers by name: what a fork edits. `resnet_small` (the default) trains in seconds on 8-64 px
+images, `resnet9` is the fast CIFAR-10 network; yours go into MODELS, one line each. Any other name is a
+torchvision model (--pretrained: its ImageNet weights). OPTIMIZERS is the one list of optimizers, each with
+its kind, which lr_find's rules read."""
 
 from __future__ import annotations
 
-import difflib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,8 +12,8 @@ import torch
 from torch import nn
 
 from configs import Config, UserError
-from machinery import weights
-from machinery.precision import amp_dtype
+from machinery.batches import InputNeeds
+from machinery.processes import amp_dtype
 
 
 def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
@@ -86,75 +80,36 @@ MODELS = {
 }
 
 
-@dataclass
-class InputNeeds:
-    """What a model asks of its inputs; data.py resizes and normalizes batches to match."""
-
-    size: int = 0  # 0: any size
-    exact: bool = False  # ViTs take exactly `size`; other models at least `size`
-    crop: int = 0  # --pretrained: the size the weights were trained at (ImageFolder default)
-    mean: tuple[float, ...] | None = None  # --pretrained: the normalization the weights expect
-    std: tuple[float, ...] | None = None
-    weights: str = ""  # --pretrained: torchvision's name for them
-
-
-@functools.lru_cache
 def input_needs(model: str, pretrained: bool) -> InputNeeds:
-    """The input size a torchvision model needs (its weights' min_size, or a ViT's image_size)
-    and, with --pretrained, the size and mean/std its weights' transforms() use."""
-    if model in MODELS:
-        if pretrained:
-            raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained "
-                            "weights (start from a checkpoint of yours with --init-from PATH)")
-        return InputNeeds()
-    import torchvision
+    """What the model takes: ours any size; a torchvision model its size (machinery/torchvision_models.py)."""
+    if model not in MODELS:
+        from machinery.torchvision_models import input_needs as torchvision_needs
 
-    if model not in (known := torchvision.models.list_models(module=torchvision.models)):
-        close = difflib.get_close_matches(model, [*MODELS, *known], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UserError(f"unknown model {model!r}{hint} ({', '.join(MODELS)}, or a torchvision "
-                        "classification model such as resnet18)")
-    weights = torchvision.models.get_model_weights(model).DEFAULT
-    with torch.device("meta"):  # the architecture alone: no memory, no initialization
-        fixed = getattr(torchvision.models.get_model(model, weights=None), "image_size", 0)
-    size = weights.meta["min_size"][0]
-    if not pretrained:
-        return InputNeeds(fixed or size, exact=bool(fixed))
-    transforms = weights.transforms()
-    return InputNeeds(size, bool(fixed), crop=transforms.crop_size[0], mean=tuple(transforms.mean),
-                      std=tuple(transforms.std), weights=f"{type(weights).__name__}.{weights.name}")
+        return torchvision_needs(model, pretrained, tuple(MODELS))
+    if pretrained:
+        raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained weights (start "
+                        "from a checkpoint of yours with --init-from PATH)")
+    return InputNeeds()
 
 
 def build_model(cfg: Config, channels: int, num_outputs: int, device: torch.device | str = "cpu", *,
                 fresh: bool = True, notes: list[str] | None = None) -> nn.Module:
-    """The model named by cfg.model, on `device`, in channels_last memory if cfg asks for it. A `fresh` run
-    starts from --pretrained or --init-from weights (said in `notes`); a resumed or evaluated one gets every
-    weight from its own checkpoint, so they are not loaded then."""
-    model, said = _architecture(cfg, channels, num_outputs), []
-    if fresh and cfg.pretrained:  # torchvision's weights, into its model inside any channel adapter
-        said.append(weights.pretrained(model[-1] if channels != 3 else model, cfg.model, num_outputs))
-    if fresh and cfg.init_from:
-        said.append(weights.init_from(model, cfg.init_from, num_outputs))
-    if notes is not None:
-        notes += said
+    """cfg.model on `device` (channels_last if asked). A `fresh` run starts from --pretrained or --init-from
+    weights (said in `notes`); a resumed or evaluated one gets every weight from its own checkpoint."""
+    if cfg.model in MODELS:
+        model = MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)
+    else:
+        from machinery.torchvision_models import architecture
+
+        model = architecture(cfg, channels, num_outputs, input_needs(cfg.model, cfg.pretrained), tuple(MODELS))
+    if fresh and (cfg.pretrained or cfg.init_from):  # a new run from weights of elsewhere
+        from machinery.weights import starting_weights
+
+        said = starting_weights(model, cfg, channels, num_outputs)
+        if notes is not None:
+            notes += said
     memory = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory)
-
-
-def _architecture(cfg: Config, channels: int, num_outputs: int) -> nn.Module:
-    needs = input_needs(cfg.model, cfg.pretrained)
-    if cfg.model in MODELS:
-        return MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)
-    if cfg.dropout:  # torchvision builders differ: some take `dropout`, some silently ignore it
-        raise UserError(f"--dropout applies to {', '.join(MODELS)}; {cfg.model} keeps "
-                        "torchvision's own dropout (set it in models.py)")
-    import torchvision
-
-    options = {"image_size": needs.size} if needs.exact else {}  # a ViT is built for one size
-    model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_outputs, **options)
-    if channels != 3:  # torchvision models expect RGB: a learned 1x1 conv maps channels to 3
-        return nn.Sequential(nn.Conv2d(channels, 3, 1), model)
-    return model
 
 
 @dataclass(frozen=True)
@@ -194,7 +149,7 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float,
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if fused is None:
-        fused = bool(params) and fused_by_default(cfg, params[0].device)
+        fused = bool(params) and params[0].device.type == "cuda" and fused_by_default(cfg, params[0].device)
     options = {"fused": True} if fused else {}  # else torch's default (foreach where it helps)
     return OPTIMIZERS[cfg.optimizer].build(groups, lr, cfg, options)
 

@@ -1,10 +1,8 @@
 """Train a model: `python train.py [--config configs/X.toml] [--field value ...]`.
 
-train() reads top to bottom: the run's setup, a resume's restore, then for each optimizer step its
-micro-batches, and at each epoch's end an evaluation and a checkpoint; at the end best.pt once through the
-test split, and summary.json. The loss and the metrics are task.py's, the data data.py's, the model
-models.py's; machinery/ holds what surrounds the loop. Several GPUs: `torchrun --nproc_per_node=N
-train.py ...`. evaluate.py measures or uses a saved model.
+train() reads top to bottom: the setup, then for each optimizer step its micro-batches, at each epoch's end an
+evaluation and a checkpoint, and at the end best.pt once through the test split. Each option is chosen once,
+at setup: what is off is never entered. Several GPUs: `torchrun --nproc_per_node=N train.py ...`.
 """
 
 from __future__ import annotations
@@ -20,17 +18,15 @@ import torch
 import task as default_task
 from configs import Config, UserError, parse_given
 from data import DATASETS
-from machinery import checkpoints, logs, lr_auto, processes, run_folder, stops
-from machinery.batches import DataInfo, Splits, build_loaders
+from machinery import checkpoints, logs, processes, run_folder, stops
+from machinery.batches import build_loaders
 from machinery.contract import check_model
 from machinery.files import write_json_atomic
-from machinery.precision import Compiled, Ema, amp_setup, autocast, compile_model, keeps_gradients
-from machinery.weights import weights_of
+from machinery.processes import amp_setup, autocast
 from models import OPTIMIZERS, build_model, build_optimizer, input_needs
 from schedules import SCHEDULES, build_scheduler, epochs_to_steps, optimizer_step, safe_pct_start
 
-# The names --dataset, --optimizer and --schedule take (and --help lists): each list where it is defined.
-CHOICES = {"dataset": DATASETS, "optimizer": OPTIMIZERS, "schedule": SCHEDULES}
+CHOICES = {"dataset": DATASETS, "optimizer": OPTIMIZERS, "schedule": SCHEDULES}  # the names each flag takes
 
 
 @dataclass
@@ -54,7 +50,8 @@ class Progress:
         so far (best.pt); --early-stop counts the evaluations without a gain over --min-delta."""
         gain = math.inf if self.best is None else (score - self.best if task.HIGHER_IS_BETTER
                                                    else self.best - score)
-        self.epoch, self.batch = self.epoch + 1, 0
+        self.epoch += 1
+        self.batch = 0
         self.best = score if gain > 0 else self.best
         self.stale = 0 if gain > cfg.min_delta else self.stale + 1
         if cfg.early_stop and self.stale >= cfg.early_stop and self.epoch < cfg.epochs:
@@ -66,33 +63,46 @@ class Progress:
 def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     """One run; a resume continues with its checkpoint's config, `given` (the flags given now; None: all
     of cfg) on top. Returns what summary.json holds."""
-    # ---- Setup: a resume's checkpoint and config, this process's place, the rate, the run folder (claimed).
+    # ---- Setup: the config (a resume's), this process's place, the rate, the run folder (claimed).
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
-    rank, world_size, device = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
-    lr = lr_auto.resolve_lr(cfg, task, OPTIMIZERS)  # a number; --lr auto: lr_find.json's suggestion
-    out_dir = run_folder.claim(Path(cfg.out_dir), resumed)
+    process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)  # alone, or torchrun's
+    device = process.device
+    lr = float(cfg.lr) if cfg.lr != "auto" else auto_lr(cfg, task)
+    out_dir = run_folder.claim(Path(cfg.out_dir), resumed, process)
     checkpoints.seed_rngs(cfg.seed)
 
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
-    batches, info, model = setup(cfg, task, device, shard=(rank, world_size), fresh=resumed is None)
-    amp_dtype, scaler = amp_setup(device, cfg.amp)
+    batches, info, model = setup(cfg, task, device, shard=(process.rank, process.world_size),
+                                 fresh=resumed is None)
+    amp_dtype, scaler = amp_setup(device, cfg.amp)  # bf16 where the GPU has it, else fp16 with a GradScaler
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, info.batches)
-    ema = Ema(model, cfg.ema) if cfg.ema else None  # --ema: the average is evaluated and kept, never trained
-    processes.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
+    ema = None
+    if cfg.ema:  # an average of the weights, which evaluation and best.pt use; never trained
+        from machinery.precision import Ema
+
+        ema = Ema(model, cfg.ema)
+    process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
-    progress = checkpoints.restore(resumed, info, cfg.epochs, Progress, model=model, optimizer=optimizer,
-                                   scheduler=scheduler, scaler=scaler, ema=ema and ema.average)
-    compiled = compile_model(model, ema.average if ema else model, cfg.compile, device, notes=info.notes,
-                             accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // world_size)
-    ddp_model = processes.data_parallel(compiled.training, device)  # under torchrun: its one DDP wrapper
+    progress = Progress() if resumed is None else resumed.restore(
+        info, cfg.epochs, Progress, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        ema=ema and ema.average)
+    evaluated = ema.average if ema else model  # what evaluation measures and best.pt keeps
+    training, evaluation, free_gradients = model, evaluated, True
+    if cfg.compile != "off":  # the training and the evaluation forward, each compiled once
+        from machinery.precision import compile_model
+
+        training, evaluation, free_gradients = compile_model(
+            model, evaluated, cfg.compile, device, notes=info.notes, accum_steps=cfg.accum_steps,
+            batch_size=cfg.batch_size // process.world_size)
+    ddp_model = process.parallel(training)  # under torchrun its one DDP wrapper; alone the model itself
 
     # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
-    tensorboard = logs.TensorBoard(out_dir, cfg, resumed, lr, active=rank == 0)  # first: --log-to's packages
-    processes.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    logs.announce(cfg, task, info, tensorboard.moved)
-    logs.describe_run(cfg, model, (device, amp_dtype), lr, total_steps)
+    log = logs.Logs(out_dir, cfg, lr, resumed=resumed, active=process.rank == 0)  # first: --log-to's packages
+    process.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
+    logs.announce(cfg, task, info, log.moved)
+    logs.describe_run(cfg, model, (process, amp_dtype), lr, total_steps)
 
     def checkpoint() -> dict:
         """Every state to continue bit for bit from `progress` ("data": what a resume checks; "inputs")."""
@@ -103,25 +113,26 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "run": run, "config": {**cfg.to_dict(), "lr": lr}, "task": task.NAME,
                 "task_source": checkpoints.task_identity(task)["source"], "data": info.data_record(),
                 "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps,
-                "trackers": tensorboard.run_ids(), "unlogged": checkpoints.unlogged(losses, counts)}
+                "trackers": log.run_ids(), "unlogged": checkpoints.unlogged(losses, counts)}
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
-    started, speed, seeds, val = time.perf_counter(), logs.Speed(), {}, None
-    losses, counts = checkpoints.restore_unlogged(resumed, device)  # since the last log point, on the device
-    stop = stops.Stops(out_dir, progress, checkpoint, tensorboard)
-    with tensorboard, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
+    started, speed, weights, val = time.perf_counter(), logs.Speed(), {}, None
+    losses, counts = resumed.unlogged(device) if resumed else ([], [])  # since the last log point
+    stop = stops.Stops(out_dir, progress, checkpoint, log, process)
+    with log, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
         for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
             bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
             stream = batches.train.epoch(epoch, progress.batch)
             speed.start(progress.batch)
             while progress.batch < info.batches:
-                # Accumulation: accum_steps micro-batches a step (fewer at an epoch's end), drawn first, each
-                # summed loss weighted by 1 / the step's normalizers on all processes: one batch k x N large.
+                # Accumulation: accum_steps micro-batches a step (fewer at an epoch's end), each summed loss
+                # weighted by 1 / the step's normalizers on all processes: one batch k x N large.
                 window = [next(stream) for _ in range(min(cfg.accum_steps, info.batches - progress.batch))]
                 normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
-                weight, stop.step_begun = step_weight(normalizers, world_size, device, seeds), progress.step
+                weight = step_weight(normalizers, process, weights)
+                stop.begin_step()
                 for micro_step, (inputs, targets) in enumerate(window):
-                    with processes.gradient_sync(ddp_model, micro_step == len(window) - 1):  # the last's only
+                    with process.gradient_sync(ddp_model, micro_step == len(window) - 1):  # the last's only
                         with autocast(device, amp_dtype):
                             loss = task.loss(ddp_model(inputs), targets, cfg, info)
                         # backward from `weight` rather than 1: loss x weight's gradients, no multiply
@@ -129,7 +140,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     losses.append(loss.detach())
                     if progress.start_loss is None:  # a fresh run's first batch: the divergence yardstick
                         progress.start_loss = (losses[0] / normalizers[0]).item()
-                        tensorboard.images({"inputs": task.input_picture(
+                        log.images({"inputs": task.input_picture(
                             inputs, targets, info.names, batches.train.to_pixels)}, 0)
                 counts += normalizers
 
@@ -139,30 +150,31 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
                     progress.averaged += 1
                     ema.update(progress.averaged)
-                optimizer.zero_grad(set_to_none=not keeps_gradients(cfg.compile, device, cfg.accum_steps))
-                progress.step, progress.batch = progress.step + 1, progress.batch + len(window)
+                optimizer.zero_grad(set_to_none=free_gradients)
+                progress.step += 1
+                progress.batch += len(window)
 
                 # Log points (every log_every steps, and the epoch's last) are the only place the loop
                 # reads the device: the loss since the last one, and the divergence check on it.
                 log_point = progress.step % cfg.log_every == 0 or progress.batch == info.batches
                 if log_point:
-                    train_loss, losses, counts = (torch.stack(losses).sum() / sum(counts)).item(), [], []
-                    tensorboard.write(("train/loss", progress.step, train_loss),
-                                      ("train/lr", progress.step, rate))
+                    train_loss = (torch.stack(losses).sum() / sum(counts)).item()
+                    losses, counts = [], []
+                    log.write(("train/loss", progress.step, train_loss), ("train/lr", progress.step, rate))
                     bar.update(progress.batch - bar.n)
                     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
-                    stop.check_divergence(train_loss, device)
+                    stop.check_divergence(train_loss)
                 if cfg.save_every and progress.step % cfg.save_every == 0:
                     stop.save()
-                stop.stop_if_signalled(log_point, device)  # Ctrl-C, SIGTERM, ...: saved, then one line
+                stop.stop_if_signalled(log_point)  # Ctrl-C, SIGTERM, ...: saved, then one line
             bar.close()
 
             # ---- Epoch end: rank 0's BatchNorm statistics on every rank, evaluate, best.pt, save.
-            processes.share_from_rank0([*model.buffers(), *(ema.average.buffers() if ema else [])])
-            rate = speed.end(info.batches, cfg.batch_size, device, info.images)
-            val = evaluate(compiled.evaluation, batches.val, task, cfg, info, amp_dtype)  # --ema: the average
-            logs.log_evaluation(val, task, info.names, batches.val, progress.step, tensorboard)
-            line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{rate}"
+            process.share([*model.buffers(), *(ema.average.buffers() if ema else [])])
+            pace = speed.end(info.batches, cfg.batch_size, device, info.images)
+            val = evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # --ema: the average
+            logs.log_evaluation(val, task, info.names, batches.val, progress.step, log)
+            line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{pace}"
             stop.check_val_loss(val.metrics["loss"], line)  # not finite: the line, then the stop's
             stop.save(best=progress.evaluated(val.metrics[task.MAIN_METRIC], task, cfg))  # last.pt, best.pt
             processes.say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
@@ -170,27 +182,28 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 processes.say(f"early stop after epoch {epoch + 1}/{cfg.epochs}: {progress.stopped}; best.pt "
                               f"holds the best val {task.MAIN_METRIC}")
                 break
-            stop.stop_if_signalled(True, device)  # a signal in the evaluation: saved just now
+            stop.stop_if_signalled(True)  # a signal in the evaluation: saved just now
 
     # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt; summary.
-    in_sync = processes.ranks_agree(model) and (not ema or processes.ranks_agree(ema.average))
-    val = val or evaluate(compiled.evaluation, batches.val, task, cfg, info, amp_dtype)  # resumed
-    test = None if batches.test is None else evaluate(  # after ranks_agree: best.pt's weights replace these
-        load_best(compiled, out_dir / "best.pt"), batches.test, task, cfg, info, amp_dtype)
-    logs.log_evaluation(test, task, info.names, batches.test, progress.step, tensorboard, "test")
+    in_sync = process.agree(model) and (not ema or process.agree(ema.average))
+    val = val or evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # resumed at its end
+    test = None
+    if batches.test is not None:  # after agree(): best.pt's weights replace these
+        load_best(evaluated, out_dir / "best.pt", process)
+        test = evaluate(evaluation, batches.test, task, cfg, info, amp_dtype, process)
+    logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
     summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
-        "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "world_size": world_size,
+        "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "world_size": process.world_size,
         "device": str(device), "ranks_in_sync": in_sync, **info.sizes()})
-    processes.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, tensorboard)
+    process.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, log)
     return summary
 
 
-def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (0, 1),
-          fresh: bool = True) -> tuple[Splits, DataInfo, torch.nn.Module]:
+def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (0, 1), fresh: bool = True):
     """The data of cfg.dataset, checked against the task, and the model built for it, checked against both
-    (two examples through it and the loss): what train() trains, lr_find.py sweeps and evaluate.py
-    measures. `shard`: this process's rank, of how many; `fresh`: the model starts from --pretrained or
-    --init-from weights, where a resume or evaluation loads its own."""
+    (two examples through it and the loss): what train() trains, lr_find.py sweeps and evaluate.py measures.
+    `shard`: this process's rank, of how many; `fresh`: the model starts from --pretrained or --init-from
+    weights, where a resume or evaluation loads its own."""
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
                                   needs=input_needs(cfg.model, cfg.pretrained),
@@ -198,6 +211,13 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
     info.notes.append(check_model(model, batches.train, task, cfg, info))
     return batches, info, model
+
+
+def auto_lr(cfg: Config, task) -> float:
+    """--lr auto: lr_find.json's suggestion, where its sweep measured this setup (machinery/lr_auto.py)."""
+    from machinery.lr_auto import resolve_lr
+
+    return resolve_lr(cfg, task, OPTIMIZERS)
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
@@ -223,25 +243,23 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
                         f"steps: {err}; change its options or --epochs") from None
 
 
-def step_weight(counts: list, world_size: int, device: torch.device, seeds: dict) -> torch.Tensor:
+def step_weight(counts: list, process, weights: dict) -> torch.Tensor:
     """What an optimizer step's summed losses are weighted by: one over their normalizers' sum over every
-    process, times the processes (DDP averages the gradients over them). Tensors (a count that depends on
-    the targets) are summed over the processes on the device, never read; numbers (the examples) are the
-    same on every rank, and their weight is kept on the device in `seeds`, made once per value."""
+    process, times the processes (DDP averages the gradients over them). A count that depends on the
+    targets (a tensor) is summed on the device, never read; a number's weight is made once, kept in `weights`."""
     total = sum(counts)
     if isinstance(total, torch.Tensor):
-        counted = processes.all_reduce_sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
-        return world_size / counted
-    if total not in seeds:
-        seeds[total] = torch.tensor(1 / total, device=device)
-    return seeds[total]
+        return process.world_size / process.sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
+    if total not in weights:
+        weights[total] = torch.tensor(1 / total, device=process.device)
+    return weights[total]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype):
-    """One pass over a split's batches through the task's tally, kept on their device and read once
-    at the end: under torchrun each process tallies its shard, and the tally sums (or gathers, for a
-    metric that needs every output) over the processes: the split's figures."""
+def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype, across=processes.ALONE):
+    """One pass over a split's batches through the task's tally, kept on their device and read once at the
+    end: under torchrun each process tallies its shard, and `across` (the process) sums, or gathers what a
+    metric needs whole, over them."""
     model.eval()
     tally = task.Tally(cfg, info, batches.device)
     for inputs, targets in batches.epoch(0):
@@ -249,16 +267,15 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
             outputs = model(inputs)
         tally.add(outputs, targets, inputs)
     model.train()
-    return tally.result(processes.ACROSS_PROCESSES)  # callable: sums, for a result(reduce) of old
+    return tally.result(across)
 
 
-def load_best(compiled: Compiled, path: Path) -> torch.nn.Module:
-    """The weights best.pt holds (its --ema average where it has one) into the evaluated model, read by
-    rank 0 and shared with every rank, in place; returns what evaluation calls."""
-    if processes.rank() == 0:
-        compiled.evaluated.load_state_dict(weights_of(checkpoints.load_checkpoint(path)))
-    processes.share_from_rank0(compiled.evaluated.state_dict().values())
-    return compiled.evaluation
+def load_best(evaluated: torch.nn.Module, path: Path, process) -> None:
+    """best.pt's weights (its --ema average where it has one) into the evaluated model, in place: read by
+    rank 0 and shared with every rank."""
+    if process.rank == 0:
+        evaluated.load_state_dict(checkpoints.weights_of(checkpoints.load_checkpoint(path)))
+    process.share(evaluated.state_dict().values())
 
 
 def main() -> None:

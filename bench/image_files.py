@@ -121,7 +121,8 @@ def measure(device: torch.device, count: int, repeats: int) -> dict:
     epoch by a 2-worker DataLoader."""
     from configs import parse_config
     from data import image_folder
-    from machinery.batches import Batches, build_loaders
+    from machinery.batches import build_loaders
+    from machinery.served import Batches
     from models import input_needs
 
     def loaders(*extra: str):
@@ -141,7 +142,7 @@ def measure(device: torch.device, count: int, repeats: int) -> dict:
         cached = loaders()
         cache_seconds = time.perf_counter() - start
         tensors = Batches(cached.source.clone(), cached.labels.clone(), cached.serving, train=True,
-                          image=cached.image, targets=cached.targets)
+                          image=cached.image, spec=cached.spec)
         streamed = loaders("--loader", "dataloader", "--num-workers", "2")
         rates = {name: [] for name in ("cached", "tensors", "streamed")}
         for epoch in range(1, repeats + 1):

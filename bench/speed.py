@@ -42,8 +42,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import task
 from bench import image_files
 from configs import Config, UserError, parse_config
-from machinery import precision, processes
-from machinery.batches import Batches, ImageSteps, Serving
+from machinery import processes
+from machinery.batches import DeviceBatches, ImageSteps, Serving
 from machinery.stops import exit_with_error
 from models import build_optimizer
 
@@ -116,7 +116,7 @@ def setup(cfg: Config, device: torch.device, lr: float | None = None):
     splits, info, model = train.setup(cfg, task, device)
     train_batches = splits.train
     optimizer = build_optimizer(model, cfg, float(cfg.lr) if lr is None else lr)
-    amp_dtype, scaler = precision.amp_setup(device, cfg.amp)
+    amp_dtype, scaler = processes.amp_setup(device, cfg.amp)
     model.train()
 
     def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def bare_steps(model, optimizer, amp_dtype, scaler, device, batches: Iterable, l
     """Forward, the task's loss, backward, optimizer step and nothing else; returns the number of images."""
     images = 0
     for inputs, targets in batches:
-        with precision.autocast(device, amp_dtype):
+        with processes.autocast(device, amp_dtype):
             loss = loss_fn(model(inputs), targets)
         if scaler is None:
             loss.backward()
@@ -396,8 +396,8 @@ def measure_loader(device: torch.device, count: int, batch_size: int, repeats: i
     images = torch.randint(0, 256, (count, 3, 32, 32), generator=g, dtype=torch.uint8)
     labels = torch.randint(0, 10, (count,), generator=g)
     mean, std = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
-    resident = Batches(images.to(device), labels.to(device), Serving(batch_size, device), train=True,
-                       image=ImageSteps(mean, std, pad=4, flip=True))
+    resident = DeviceBatches(images.to(device), labels.to(device), Serving(batch_size, device), train=True,
+                             image=ImageSteps(mean, std, pad=4, flip=True))
     transform = transforms.Compose([
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
         transforms.ConvertImageDtype(torch.float32), transforms.Normalize(mean.tolist(), std.tolist())])

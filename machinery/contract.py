@@ -1,18 +1,15 @@
-"""The data contract: what a dataset must be for the task and the model, checked once at start-up,
-before any file is written. A fork whose data, task and model do not fit stops here in one line
-that names the shapes, dtypes or values, never with numbers that are quietly wrong later.
+"""The data contract: what a dataset must be for the task and the model, checked once at start-up, before
+any file is written. A fork whose data, task and model do not fit stops here in one line that names the
+shapes, dtypes or values, never with numbers that are quietly wrong later.
 
 task.TARGETS says what the task's loss takes:
-- "classes": integer class ids of any dtype, read as int64, in [0, classes): one per example ([N]),
-  or one per position ([N, *S], say per pixel), where the model gives [N, classes, *S];
-- "values": numbers, read as float32, shaped as the model's outputs; [N] is read as [N, 1] where
-  the model has one output;
-- "any": as the data gives them, to the task's loss and Tally (a binned regression's [N] floats for
-  10 outputs, say); the check is the one batch: the loss of two examples is one finite number.
-Targets whose last two dimensions are the images' height and width are dense: crops and flips move
-them with their images, and a crop's padding gets IGNORE_INDEX, which the task's loss and metrics skip.
-One class id or one row of values per example stays as it is. Others (TARGETS = "any": boxes, say) follow
-crops and flips only by the task's augmented_targets (image_steps.py refuses them otherwise).
+- "classes": integer class ids, read as int64, in [0, classes): one per example ([N]) or per position
+  ([N, *S], say per pixel), where the model gives [N, classes, *S];
+- "values": numbers, read as float32, shaped as the model's outputs; [N] is [N, 1] for one output;
+- "any": as the data gives them; the check is one batch: the loss of two examples is one finite number.
+Targets whose last two dimensions are the images' height and width are dense: crops and flips move them,
+and a crop's padding gets IGNORE_INDEX, which the loss and metrics skip. One class id or one row of values
+per example stays as it is; others (boxes) follow crops and flips only by task.augmented_targets.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from configs import UserError, first_line
-from machinery.inputs import described, each, members, named, rows
+from configs import Config, UserError, first_line
 
 KINDS = ("classes", "values", "any")  # what task.TARGETS may say
 IGNORE_INDEX = -100  # a dense class target that counts for nothing (torch's cross_entropy skips it)
@@ -43,26 +39,38 @@ class Targets:
     follow: Callable | None = None  # the task's augmented_targets: how its targets follow crops and flips
 
 
+def checked_sizes(cfg: Config, source, world_size: int) -> dict:
+    """The Source's splits by name, none empty (an empty val split trained an epoch, then divided by zero),
+    and a batch that divides over the processes."""
+    if cfg.batch_size % world_size:
+        raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
+    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
+                                                      ("test", source.test)) if examples is not None}
+    for split, examples in splits.items():
+        if (_rows(examples[0]) if isinstance(examples, tuple) else len(examples)) == 0:
+            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                            "dataset entry in data.py, or the files in --data-dir)")
+    return splits
+
+
 def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None,
-                 collate: Callable) -> tuple[Targets, str]:
-    """Each split's targets read as the task takes them (`splits` maps a split's name to an (inputs,
-    targets) pair, converted in place, or to a Dataset, whose first example is batched alone by `collate`)
-    and checked; returns what was found, and a line saying what was checked. `image_size`: the images'
-    (H, W), or None where inputs are not images."""
+                 collate: Callable | None) -> tuple[Targets, str]:
+    """Each split's targets read as the task takes them (`splits`: name to an (inputs, targets) pair,
+    converted in place, or a Dataset whose first example `collate` batches alone) and checked; returns what
+    was found, and a line saying what was checked. `image_size`: the images' (H, W); None: no images."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
     checked = []
     for split, pair in splits.items():
         listed = pair[1] if isinstance(pair, tuple) else getattr(pair, "targets", None)  # as ImageFolder
         whole = listed is not None  # else a Dataset's first item's targets stand for the rest
-        first = None if whole else collate([pair[0]])[1]  # a batch of one: its targets as batches hold them
-        first = tuple(first) if isinstance(first, list) else first  # default_collate's list of a tuple
-        targets = _read_as(listed if whole else first, kind, len(names), split)
+        targets = _read_as(listed if whole else _first_targets(pair, collate), kind, len(names), split)
         if isinstance(pair, tuple):  # tensors: converted once here, checked whole
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
         _check_values(targets, kind, len(names), split)
-        checked.append(f"{rows(targets)} {split}" if whole else f"{split}'s first")
+        checked.append(f"{_rows(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
             dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
                 image_size)
@@ -77,12 +85,12 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
     return Targets(kind, dense, counts, None if per_position else ids, per_example), said
 
 
-def check_model(model: nn.Module, batches, task, cfg, info) -> str:
-    """The split's first two examples through the model, in eval mode and without gradients (nothing
-    it holds changes), then through the task's loss: a forward that fails, outputs that do not fit the
-    targets, or a loss that is not one number is one line naming them. Returns what was seen."""
+def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
+    """The split's first two examples through the model (eval mode, no gradients: nothing it holds changes),
+    then through the task's loss: a forward that fails, outputs that do not fit the targets, or a loss that
+    is not one number is one line naming them. Returns what was seen."""
     inputs, targets = batches.first(2)
-    given = described(inputs)
+    given = _described(inputs)
     training = model.training
     model.eval()
     try:
@@ -95,11 +103,10 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
         model.train(training)
     if not isinstance(outputs, torch.Tensor):
         raise UserError(f"the model {cfg.model} returns a {type(outputs).__name__}, not a tensor of outputs")
-    classes, shape = batches.targets.kind == "classes", list(outputs.shape)
-    want = [shape[0], *shape[2:]] if classes else shape
-    free = batches.targets.kind == "any"  # the task reads them as it likes: the loss below is the check
-    if not free and not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
-        each = "a class id per example (or per position)" if classes else "one value per output"
+    shape, kind = list(outputs.shape), task.TARGETS
+    want = [shape[0], *shape[2:]] if kind == "classes" else shape
+    if kind != "any" and not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
+        each = "a class id per example (or per position)" if kind == "classes" else "one value per output"
         raise UserError(f"the model {cfg.model} gives outputs {shape} for {given} inputs, and the targets "
                         f"are {list(targets.shape)}: the task takes {each}, {len(info.names)} outputs (one "
                         "per name in the dataset's Source); make the model's outputs or the targets fit")
@@ -108,16 +115,15 @@ def check_model(model: nn.Module, batches, task, cfg, info) -> str:
         what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's "
                         "summed loss (normalizer() says what it is divided by)")
-    if free and not torch.isfinite(loss):
+    if kind == "any" and not torch.isfinite(loss):  # the task reads them as it likes: the loss is the check
         raise UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, "
-                        f"{described(targets)} targets): with TARGETS = \"any\" that is the check, so make "
+                        f"{_described(targets)} targets): with TARGETS = \"any\" that is the check, so make "
                         "the loss read these targets")
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
 def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
-    """Targets as the task (`kind`: task.TARGETS) takes them: int64 class ids, or float32 values, [N] as
-    [N, 1], or as they are. Tensor splits already are (no op then); a Dataset's batches are converted here."""
+    """Targets as the task takes them: int64 class ids, or float32 values ([N] as [N, 1]), or as they are."""
     if kind == "any":
         return targets
     if kind == "values" and targets.ndim == 1:
@@ -125,21 +131,101 @@ def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
     return targets.to(torch.int64 if kind == "classes" else torch.float32)
 
 
+# ---------------------------------------------------------------- images, epochs
+
+
+def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> str:
+    """Which image steps training batches get and how the targets follow them, said at start-up; a crop or
+    flip that the targets cannot follow is refused."""
+    if targets.dense and image.resize:
+        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
+                        "targets cannot be resized with the images: give the dataset images of that size, or "
+                        "use a model that takes these")
+    if targets.dense and image.pad and targets.kind == "values" and not targets.follow:
+        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
+                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
+                        "dataset's Source")
+    if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.per_example):
+        what = ('TARGETS = "any" targets' if targets.kind == "any" else
+                f"{targets.kind} targets that are neither one per example nor one per pixel")
+        raise UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), "
+                        f"and the template cannot move {what} with them: define augmented_targets(targets, "
+                        "shifts, flips, size) in task.py (docs/your_data.md), set pad=0 and flip=False in "
+                        "the dataset's Source, or pass --no-augment")
+    steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
+        ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
+        else [])
+    if not steps:
+        why = "--no-augment" if not cfg.augment else f"none for {cfg.dataset}"
+        return f"images{which}: no crop or flip ({why})"
+    moved = ("; the targets follow them by task.py's augmented_targets" if targets.follow else
+             "; the per-pixel targets move with them" if targets.dense else "")  # one per example: they stay
+    return f"images{which}: {' and '.join(steps)} on training batches{moved}"
+
+
+def refuse_crops(cfg: Config, source, shown: str) -> None:
+    """A Source's crops and flips of inputs that are no uint8 images: which axes of a [C, T, H, W] clip
+    would a crop take?"""
+    if (source.pad or source.flip) and cfg.augment:
+        raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
+                        f"{source.flip}), and its inputs are {shown} tensors, not uint8 [C, H, W] images: the "
+                        "template does not know which axes to crop; set pad=0 and flip=False in its Source "
+                        "(augment in the dataset), or pass --no-augment")
+
+
+def not_images_note(what: str, shown: str) -> str:
+    return f"{what} {shown} tensors, not uint8 images: no crop, flip, normalization or channels_last"
+
+
+def check_image_model(cfg: Config, needs, shown: str) -> None:
+    """A torchvision image model takes one image tensor."""
+    if needs.size:
+        raise UserError(f"{cfg.model} is a torchvision image model, which takes one image tensor, and "
+                        f"{cfg.dataset}'s inputs are {shown}; add a model of yours to MODELS in models.py")
+
+
+def check_balance(cfg: Config, spec: Targets) -> None:
+    if cfg.balance_classes and spec.class_ids is None:
+        raise UserError(f"--balance-classes draws by class, and {cfg.dataset}'s training targets are not one "
+                        "class id per example listed up front (tensors, or a Dataset with .targets)")
+
+
+def epoch_checks(cfg: Config, train, world_size: int) -> list[str]:
+    """A batch larger than the training set is refused; the note on what an epoch leaves out, if any."""
+    if len(train) == 0:
+        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
+                        f"set ({train.num_examples}); lower --batch-size")
+    said = epoch_note(train.num_examples, cfg.batch_size, world_size, cfg.accum_steps)
+    return [said] if said else []
+
+
+def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:
+    """What an epoch of `n` training examples trains where some sit out of it (the partial last batch is
+    dropped: --compile's shapes stay static, BatchNorm never sees a batch of one), and a --batch-size that
+    leaves fewer out."""
+    per_rank, local = n // world_size, batch_size // world_size
+    batches, whole = per_rank // local, -(-per_rank // local)  # full batches; batches that take them all
+    if not (out := n - batches * batch_size):
+        return None
+    steps, fits = -(-batches // accum_steps), per_rank // whole * world_size
+    shards = f" and what does not divide over {world_size} processes" if n % world_size else ""
+    said = (f"training: {steps} optimizer step{'s' * (steps != 1)} an epoch ({batches} batch"
+            f"{'es' * (batches != 1)} of {batch_size}{f', {accum_steps} a step' * (accum_steps > 1)}); "
+            f"{out} of the {n} training examples {'sit' if out > 1 else 'sits'} out of each epoch, others "
+            f"each time (the last, partial batch is dropped{shards})")
+    left = n - fits * whole
+    return said + (f"; --batch-size {fits} leaves {left or 'none'} out, in {whole} batches" * (left < out))
+
+
 # ---------------------------------------------------------------- the checks
 
 
 def _read_as(targets, kind: str, outputs: int, split: str):
-    """Targets in the dtype and shape the task takes, or one line saying why they cannot be. "any" takes a
-    tuple or dict of tensors too (boxes and their labels, say): kept so, each one a row per example."""
-    parts = list(targets.values() if isinstance(targets, Mapping) else targets) if isinstance(
-        targets, (Mapping, tuple)) else []
+    """Targets in the dtype and shape the task takes, or one line saying why they cannot be."""
+    parts = list(targets.values()) if isinstance(targets, Mapping) else list(targets) if isinstance(
+        targets, tuple) else []
     if parts and all(isinstance(t, torch.Tensor) for t in parts):  # several tensors
-        if kind != "any":
-            wanted = "class ids" if kind == "classes" else "values"
-            raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(parts)} tensors, "
-                            f"and the task takes {wanted}, one tensor; give one, or set TARGETS = \"any\" in "
-                            "task.py for a loss that reads them so")
-        return each(lambda _, t: t, targets)
+        return _several_targets(targets, kind, split)
     targets = torch.as_tensor(targets)
     if kind == "classes":
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
@@ -151,13 +237,37 @@ def _read_as(targets, kind: str, outputs: int, split: str):
     return as_taken(targets, kind)
 
 
-def _check_finite(split: str, inputs, targets: torch.Tensor) -> None:
-    """Each input tensor (machinery/inputs.py) and the targets: a row per example, finite numbers."""
-    named_tensors = [(named(key), t) for key, t in members(inputs).items()]
-    targets_named = [(named(key).replace("inputs", "targets"), t) for key, t in members(targets).items()]
-    for what, t in [*named_tensors, *targets_named]:
-        if len(t) != rows(targets):
-            raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {rows(targets)}: give "
+def _several_targets(targets, kind: str, split: str):
+    """A tuple or dict of tensors (boxes and their labels, say): "any" takes them so, each a row per
+    example."""
+    if kind != "any":
+        wanted = "class ids" if kind == "classes" else "values"
+        raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(targets)} tensors, and the "
+                        f"task takes {wanted}, one tensor; give one, or set TARGETS = \"any\" in task.py for a "
+                        "loss that reads them so")
+    from machinery.inputs import each
+
+    return each(lambda _, t: t, targets)
+
+
+def _first_targets(dataset, collate: Callable):
+    """A Dataset's first example batched alone, as batches hold it: its targets."""
+    first = collate([dataset[0]])[1]
+    return tuple(first) if isinstance(first, list) else first  # default_collate's list of a tuple
+
+
+def _check_finite(split: str, inputs, targets) -> None:
+    """Each input tensor and the targets: a row per example, finite numbers."""
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+        tensors = [("inputs", inputs), ("targets", targets)]
+    else:
+        from machinery.inputs import members, named
+
+        tensors = [(named(key), t) for key, t in members(inputs).items()] + [
+            (named(key).replace("inputs", "targets"), t) for key, t in members(targets).items()]
+    for what, t in tensors:
+        if len(t) != _rows(targets):
+            raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {_rows(targets)}: give "
                             "each input one row per example")
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
             bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value
@@ -167,21 +277,37 @@ def _check_finite(split: str, inputs, targets: torch.Tensor) -> None:
 
 def _check_values(targets: torch.Tensor, kind: str, classes: int, split: str) -> None:
     """Class ids in [0, classes) (dense ones may be IGNORE_INDEX)."""
-    if kind == "classes":
-        ok = (targets >= 0) & (targets < classes)
-        if targets.ndim > 1:
-            ok |= targets == IGNORE_INDEX
-        if not ok.all():
-            values, counts = targets[~ok].unique(return_counts=True)
-            bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(),
-                                                               strict=False))
-            one_based = targets.min() == 1 and targets.max() == classes
-            hint = (f"; they look like 1..{classes}: subtract 1" if one_based
-                    else "; one name per class in the dataset's Source, ids counted from 0")
-            raise UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
-                            f"{' and more' if len(values) > SHOWN else ''}{hint}")
+    if kind != "classes":
+        return
+    ok = (targets >= 0) & (targets < classes)
+    if targets.ndim > 1:
+        ok |= targets == IGNORE_INDEX
+    if not ok.all():
+        values, counts = targets[~ok].unique(return_counts=True)
+        bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(),
+                                                           strict=False))
+        one_based = targets.min() == 1 and targets.max() == classes
+        hint = (f"; they look like 1..{classes}: subtract 1" if one_based
+                else "; one name per class in the dataset's Source, ids counted from 0")
+        raise UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
+                        f"{' and more' if len(values) > SHOWN else ''}{hint}")
+
+
+def _rows(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return len(x)
+    from machinery.inputs import rows
+
+    return rows(x)
+
+
+def _described(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{list(x.shape)} {_dtype(x)}"
+    from machinery.inputs import described
+
+    return described(x)
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import UserError, first_line
-from machinery.inputs import each, joined, members, take
+from machinery.inputs import joined, members, take
 
 FORMATS = (".onnx", ".pt2")
 TOLERANCE = 1e-4  # fp32: the largest difference allowed, per unit of the outputs' largest size over 1
@@ -64,7 +64,7 @@ def staged(target: Path) -> Iterator[Path]:
 
 
 class Deployed(torch.nn.Module):
-    """The model with its inputs' steps in front, as Batches._input applies them, op for op: each input
+    """The model with its inputs' steps in front, as the batches apply them, op for op: each input
     (a tensor, or each member of a tuple or dict, in order) is one argument; image inputs (uint8) go to
     float32, to the model's size (bilinear) and are normalized as x * scale - shift, the others floated
     where they are floating point."""
@@ -74,12 +74,13 @@ class Deployed(torch.nn.Module):
         self.model, self.keys = model, list(members(inputs))
         self.form = "tensor" if isinstance(inputs, torch.Tensor) else "dict" if isinstance(
             inputs, Mapping) else "tuple"
-        self.images = {}  # argument position: (resize, channels_last)
+        self.images, steps = {}, batches.image_steps()  # argument position: (resize, channels_last)
         for i, key in enumerate(self.keys):
-            if key in batches.images:
-                self.images[i] = (batches.images[key].resize, batches.images[key].channels_last)
-                self.register_buffer(f"scale{i}", batches.scale[key].cpu())
-                self.register_buffer(f"shift{i}", batches.shift[key].cpu())
+            if key in steps:
+                image, scale, shift = steps[key]
+                self.images[i] = (image.resize, image.channels_last)
+                self.register_buffer(f"scale{i}", scale.cpu())
+                self.register_buffer(f"shift{i}", shift.cpu())
 
     def forward(self, *inputs: torch.Tensor):
         prepared = [self.prepared(i, x) for i, x in enumerate(inputs)]
@@ -106,9 +107,7 @@ def export_model(model: torch.nn.Module, batches, path: Path, metadata: dict, *,
     against the PyTorch model on the split's first CHECKED examples (`classes`: the top class must agree
     too); the line that says what was written and what the check found."""
     n = min(CHECKED, batches.num_examples)
-    raw = take(batches.source, slice(0, n)) if batches.tensors else torch.utils.data.default_collate(
-        [batches.source[i][0] for i in range(n)])  # the examples as the split holds them, unprepared
-    raw = each(lambda _, t: t.cpu(), raw)
+    raw = batches.raw(n)  # the examples as the split holds them, unprepared
     with torch.no_grad():
         reference = members(model(batches.first(n)[0]))  # as the run's evaluation computes them
     deployed = Deployed(model, batches, batches.first(2)[0]).eval()

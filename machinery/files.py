@@ -1,10 +1,6 @@
-"""Files written whole, and downloads into a folder.
-
-Every file a run writes (checkpoints, JSON, pictures, CSV) is written atomically: a temporary file,
-fsync, rename; a crash or kill at any moment leaves the old file or the new one, never a torn one. A
-failed write is one UserError line naming the file, the size it needed and the space left, and the
-previous file stays as it was.
-"""
+"""Files written whole, and downloads into a folder. Every file a run writes is written atomically (a
+temporary file, fsync, rename: a kill leaves the old file or the new one); a failed write is one line naming
+the file, the size it needed and the space left."""
 
 from __future__ import annotations
 
@@ -118,13 +114,12 @@ def shown_size(count: float) -> str:
 
 @contextlib.contextmanager
 def downloading(folder: Path, failed: str) -> Iterator[bool]:
-    """A download into `folder`. Under torchrun rank 0 alone may download (the block gets True there)
-    while the others wait, then read what it left: several writers would corrupt an archive. Quiet: a
-    failure (no network, a proxy, a bad hash, a full disk) is one UserError line, `failed` with its
-    {reason}, and the folders it made are removed while empty."""
+    """A download into `folder`, quiet: a failure (no network, a proxy, a bad hash, a full disk) is one line,
+    `failed` with its {reason}, and the folders it made go. Under torchrun rank 0 alone downloads (the block
+    gets True there) while the others wait, then read what it left: several writers would corrupt it."""
     first = processes.rank() == 0
     if not first:
-        processes.barrier()  # rank 0 downloads first
+        barrier()  # rank 0 downloads first
     created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]  # deepest first
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -136,4 +131,12 @@ def downloading(folder: Path, failed: str) -> Iterator[bool]:
         raise UserError(failed.format(reason=first_line(getattr(err, "reason", "") or err, 100))) from None
     finally:
         if first:
-            processes.barrier()  # the others read it now
+            barrier()  # the others read it now
+
+
+def barrier() -> None:
+    """Under torchrun, wait for every process here."""
+    if "RANK" in os.environ:
+        from machinery import torchrun
+
+        torchrun.barrier()

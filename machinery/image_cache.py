@@ -25,10 +25,10 @@ import torch
 
 from configs import UserError
 from machinery import processes
-from machinery.files import write_atomic
+from machinery.files import barrier, write_atomic
 from machinery.image_files import READER_VERSION, ImageFiles, printable
 from machinery.logs import progress_bar
-from machinery.signals import SIGNALS, worker_init
+from machinery.workers import starting, worker_init
 
 MAGIC = b"tt-img01"  # a cache file's first bytes, then the header's length and the header (JSON)
 PAGE = 4096  # the pixels start at a page boundary, so that they map
@@ -58,12 +58,12 @@ def decode_splits(files: dict[str, ImageFiles], folder: Path | None) -> dict[str
     kept there). Under torchrun rank 0 decodes first; the others then read what it kept."""
     first = processes.rank() == 0
     if not first:
-        processes.barrier()  # rank 0 decodes
+        barrier()  # rank 0 decodes
     try:
         return {split: decoded(images, folder, split) for split, images in files.items()}
     finally:
         if first:
-            processes.barrier()  # the others read its files now (or decode themselves: it kept none)
+            barrier()  # the others read its files now (or decode themselves: it kept none)
 
 
 def decoded(files: ImageFiles, folder: Path | None, split: str) -> Decoded:
@@ -149,7 +149,7 @@ def _decode(files: ImageFiles, missing: list[int], into: torch.Tensor, split: st
     done = 0
     try:
         with progress_bar(len(missing), 0, f"decoding {split} images") as bar:
-            with SIGNALS.held_while_forking():  # the workers start
+            with starting():  # the workers start
                 batches = iter(loader)
             for batch in batches:
                 into[torch.tensor(missing[done:done + len(batch)])] = batch

@@ -14,18 +14,10 @@ import numpy as np
 import torch
 
 from configs import UserError, first_line
+from machinery.stops import UnreadableImage
 
 IMAGE_SUFFIXES = tuple(".jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp .gif".split())  # ImageFolder's, GIF
 READER_VERSION = 1  # of read_image and ImageFiles.read: a change to their pixels bumps it (the cache's key)
-
-
-class UnreadableImage(UserError):
-    """An image file that cannot be decoded; the message names the file and its class folder. From a
-    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
-
-    def __init__(self, message: str):
-        worker = "Original Traceback" in message
-        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
 
 
 def read_image(path: str, mode: str = "RGB"):

@@ -6,18 +6,17 @@ to hold). --loader forces one; start-up says which was taken, and why."""
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
 
 from configs import Config, UserError
 from machinery import image_cache
+from machinery.batches import DEVICE_MEMORY_SHARE
 from machinery.files import shown_size
 from machinery.image_files import ImageFiles
 from machinery.inputs import total_bytes
 
-DEVICE_MEMORY_SHARE = 0.25  # of a GPU's free memory: the rest is the model's and its activations'
 HOST_MEMORY_SHARE = 0.5  # of the memory the machine has available, shared by its processes
 
 
@@ -102,31 +101,3 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def workers(setting: int | str, device: torch.device) -> int:
-    """DataLoader workers: --num-workers, or for auto 2, and on CUDA (where a GPU would wait on 2) the
-    CPU cores each of this machine's processes has, up to 8."""
-    if setting != "auto":
-        return setting
-    if device.type != "cuda":
-        return 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def check_shared_memory(batch_bytes: int, workers: int, notes: list[str]) -> None:
-    """DataLoader workers hand their batches over in /dev/shm (Linux), which Docker makes 64 MB: too small
-    for the batches in flight (prefetch_factor 2 per worker, one in use, for each process on this machine),
-    refused now rather than in the loop; under twice that, said in a note."""
-    if workers == 0 or not os.path.isdir("/dev/shm"):
-        return
-    need = batch_bytes * (2 * workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = shutil.disk_usage("/dev/shm").free
-    said = (f"/dev/shm has {free / 2**20:.1f} MiB free and the DataLoader's batches in flight need about "
-            f"{need / 2**20:.1f} MiB")
-    fix = "use --num-workers 0, or give the container more shared memory (docker run --shm-size=2g)"
-    if free < need:
-        raise UserError(f"{said}; {fix}")
-    if free < 2 * need:
-        notes.append(f"{said}: if workers fail for want of shared memory, {fix}")

@@ -1,13 +1,11 @@
-"""How the model computes: AMP (autocast's dtype and GradScaler), --compile (the training forward and the
-evaluation forward, each compiled once) and --ema (an average of the weights, evaluated and kept). train.py,
-evaluate.py and lr_find.py's command line take them from here; models.py reads amp_dtype."""
+"""How the model computes beyond AMP (processes.amp_setup): --compile (the training forward and the
+evaluation forward, each compiled once) and --ema (an average of the weights, evaluated and kept). train.py
+imports this only where one of them is on."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,46 +13,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from machinery.inputs import each, rows
 
-# ---------------------------------------------------------------- AMP
-
-
-def amp_setup(device: torch.device, mode: str) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
-    """Autocast dtype and GradScaler: bf16 where the device has it, else fp16 with a scaler."""
-    dtype = amp_dtype(device, mode)
-    return dtype, torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-
-
-def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
-    """The autocast dtype `mode` means on `device`; None is off. "auto" is off on CPU and MPS, where
-    autocast rarely pays; bf16 or fp16 can still be forced. On CUDA it is bf16 only where the GPU computes
-    in it natively (Ampere and later): V100 and T4 emulate bf16 slowly, which torch counts as supported
-    unless including_emulation=False."""
-    if mode == "auto":
-        if device.type != "cuda":
-            return None
-        mode = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """torch.autocast, or nothing with AMP off: a disabled autocast still costs host time every step."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
 # ---------------------------------------------------------------- --compile
-
-
-@dataclass
-class Compiled:
-    """What the loop calls to train (which DDP wraps) and to evaluate (eval() and train() reach the module
-    within), and the module evaluated (the model or its --ema average), whose weights best.pt replaces.
-    Without --compile each is the plain module itself."""
-
-    training: nn.Module
-    evaluation: nn.Module
-    evaluated: nn.Module
 
 
 # Evaluation's mode: its outputs go to the task's tally, which may keep them (AP, retrieval); a CUDA graph's
@@ -63,14 +22,13 @@ WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no
 
 
 def compile_model(model: nn.Module, evaluated: nn.Module, mode: str, device: torch.device, *,
-                  notes: list | None = None, accum_steps: int = 1, batch_size: int = 0) -> Compiled:
-    """--compile MODE: the model's training forward and `evaluated`'s (the model, or the --ema average)
-    evaluation forward, each compiled whole, once: static shapes, evaluation's last smaller batch padded up
-    to `batch_size`. Nothing about the modules changes (their state_dict keys stay theirs): compile after a
-    resume's restore, load weights into them in place. reduce-overhead adds CUDA graphs, which need a CUDA
-    device: elsewhere the default mode runs, and a line in `notes` says so."""
-    if mode == "off":
-        return Compiled(model, evaluated, evaluated)
+                  notes: list | None = None, accum_steps: int = 1, batch_size: int = 0) -> tuple:
+    """--compile MODE: what the loop calls to train (the model's training forward, which DDP wraps) and to
+    evaluate (`evaluated`'s: the model, or the --ema average), each compiled whole, once: static shapes,
+    evaluation's last smaller batch padded up to `batch_size`; and whether zero_grad frees the gradients.
+    The modules stay as they are (their state_dict keys too): compile after a resume's restore, load weights
+    into them in place. reduce-overhead's CUDA graphs need a CUDA device: elsewhere the default mode runs,
+    said in `notes`."""
     if mode == "reduce-overhead" and device.type != "cuda":
         if notes is not None:
             notes.append(f"--compile reduce-overhead: CUDA graphs need a CUDA device; on {device.type}, "
@@ -84,8 +42,8 @@ def compile_model(model: nn.Module, evaluated: nn.Module, mode: str, device: tor
             p.grad = torch.zeros_like(p) if p.requires_grad else None
     training = torch.compile(training_forward, mode=mode, dynamic=False)
     evaluation = torch.compile(evaluation_forward, mode=WITHOUT_GRAPHS.get(mode, mode), dynamic=False)
-    return Compiled(CompiledForward(model, training), CompiledForward(evaluated, evaluation, batch_size),
-                    evaluated)
+    frees = not keeps_gradients(mode, device, accum_steps)
+    return CompiledForward(model, training), CompiledForward(evaluated, evaluation, batch_size), frees
 
 
 # Two functions with one body, each compiled: dynamo keeps its graphs per function (code object), so the

@@ -11,38 +11,50 @@ import os
 import shlex
 import shutil
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 from configs import Config, UserError, validate
-from machinery import processes
-from machinery.checkpoints import Resumed, load_checkpoint, load_resume
+from machinery.checkpoints import load_checkpoint
 from machinery.files import write_atomic, write_error
 
 
-def resume(cfg: Config, given: dict | None, task, choices: dict) -> tuple[Config, Resumed | None]:
-    """The config a run goes on with, and the checkpoint it continues (None: a new run). --resume auto
-    with no last.pt yet is a first start."""
-    if cfg.resume == "auto" and not (Path(cfg.out_dir) / "last.pt").is_file():
-        processes.say(f"--resume auto: no {Path(cfg.out_dir) / 'last.pt'} yet, so a new run")
-        cfg = replace(cfg, resume="")
+def resume(cfg: Config, given: dict | None, task, choices: dict):
+    """The config a run goes on with, and the checkpoint it continues (None: a new run, which enters no
+    resume code)."""
     if not cfg.resume:
         return validate(cfg, choices), None
-    return load_resume(cfg, given, task, choices)
+    from machinery.resume import load
+
+    return load(cfg, given, task, choices)
 
 
-def claim(out_dir: Path, resumed: Resumed | None = None) -> Path:
-    """Before any data is loaded, by rank 0 for all: --out-dir can be written, holds no unfinished run (whose
-    last.pt --resume would continue) that this one would overwrite, and no other live run. This process then
-    owns the folder (lock) and removes the temporary files that a save killed midway left there. A run
-    `resumed` from another folder takes an empty one, with its best.pt: the test pass reads this run's."""
-    processes.on_rank0(_claim, out_dir, resumed)
+def claim(out_dir: Path, resumed=None, process=None) -> Path:
+    """Before any data loads, by rank 0 for all (`process`, processes.py's): --out-dir can be written, holds
+    no unfinished run this one would overwrite, and no other live run; then this process owns it (lock).
+    A run `resumed` from another folder takes an empty one, with its best.pt."""
+    if process is None:
+        _claim(out_dir, resumed)
+    else:
+        process.on_rank0(_claim, out_dir, resumed)
     return out_dir
 
 
-def _claim(out_dir: Path, resumed: Resumed | None) -> None:
-    # A file written and deleted proves the folder writable; the folders made for it go again, so that a
-    # run that then stops on another error leaves nothing behind.
+def _claim(out_dir: Path, resumed) -> None:
+    writable(out_dir)
+    lock(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
+    last = out_dir / "last.pt"
+    if last.is_file() and (resumed is None or resumed.path.resolve() != last.resolve()):
+        check_overwrite(out_dir, resumed)
+    if resumed is not None and resumed.path.parent.resolve() != out_dir.resolve():
+        _take_best(out_dir, resumed)
+    for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
+        if not tmp.name.endswith(f".{os.getpid()}.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def writable(out_dir: Path) -> None:
+    """A file written and deleted proves the folder writable; the folders made for it go again, so that a
+    run that stops on another error leaves nothing behind."""
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,32 +70,29 @@ def _claim(out_dir: Path, resumed: Resumed | None) -> None:
         for folder in created:
             with contextlib.suppress(OSError):
                 folder.rmdir()
-    lock(out_dir)  # first: a live run's folder is "in use", whatever its last.pt says by now
+
+
+def check_overwrite(out_dir: Path, resumed) -> None:
+    """An unfinished run's last.pt (whose run --resume would continue) is never overwritten by another."""
     last, saved, this = out_dir / "last.pt", {}, f"resuming {resumed.path} there" if resumed else "a new run"
-    if last.is_file() and (resumed is None or resumed.path.resolve() != last.resolve()):
-        try:
-            saved = load_checkpoint(last)
-        except UserError:  # emptied or cut short: maybe an unfinished run's, which best.pt can continue
-            best = out_dir / "best.pt"
-            keep = f"{best}, which can still continue it (--resume {best})" if best.is_file() else "it"
-            if resumed is None:
-                _refuse(out_dir, f"{last} cannot be read (emptied or cut short) and may be an unfinished "
-                        f"run's: {this} would overwrite {keep}; delete last.pt to start over, or pick "
-                        "another --out-dir")
+    try:
+        saved = load_checkpoint(last)
+    except UserError:  # emptied or cut short: maybe an unfinished run's, which best.pt can continue
+        best = out_dir / "best.pt"
+        keep = f"{best}, which can still continue it (--resume {best})" if best.is_file() else "it"
+        if resumed is None:
+            _refuse(out_dir, f"{last} cannot be read (emptied or cut short) and may be an unfinished "
+                    f"run's: {this} would overwrite {keep}; delete last.pt to start over, or pick "
+                    "another --out-dir")
     step, total = saved.get("step", 0), saved.get("total_steps", 0)
     stopped = isinstance(saved.get("run"), dict) and saved["run"].get("stopped")  # --early-stop: finished
     if isinstance(step, int) and isinstance(total, int) and step < total and not stopped:
         _refuse(out_dir, f"{last} holds an unfinished run (step {step} of {total}) that {this} would "
                 f"overwrite; continue it with --resume --out-dir {out_dir}, or pick another --out-dir, or "
                 "delete the file to start over")
-    if resumed is not None and resumed.path.parent.resolve() != out_dir.resolve():
-        _take_best(out_dir, resumed)
-    for tmp in out_dir.glob(".*.tmp"):  # no other run is in the folder now: no one is writing these
-        if not tmp.name.endswith(f".{os.getpid()}.tmp"):
-            tmp.unlink(missing_ok=True)
 
 
-def _take_best(out_dir: Path, resumed: Resumed) -> None:
+def _take_best(out_dir: Path, resumed) -> None:
     """A run resumed into another folder: an empty one (another run's best.pt and summary would pass for
     this one's), given the best.pt beside its checkpoint, which its test pass reads unless it betters it."""
     if held := [name for name in ("last.pt", "best.pt", "summary.json") if (out_dir / name).exists()]:
@@ -127,23 +136,31 @@ def lock(out_dir: Path) -> None:
                 f.write(mine)
             break
         except FileExistsError:
-            held = path.read_text(errors="replace").split()
-            if held[:2] == mine.split():
+            if not stale(path, mine, out_dir):
                 return  # this process's own, from an earlier run in it
-            pid, host = (int(held[0]), held[1]) if len(held) >= 2 and held[0].isdigit() else (0, "")
-            if host == socket.gethostname() and pid and _alive(pid):
-                raise UserError(f"{out_dir} is in use by another run (process {pid}); wait for it to end, "
-                                "or pick another --out-dir") from None
-            if host not in ("", socket.gethostname()):
-                raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
-                                f"there, delete {path}, or pick another --out-dir") from None
-            path.unlink(missing_ok=True)  # the run that held it is gone
     if not _HELD:
         atexit.register(release_all)
     _HELD.append((path, mine, created))
 
 
 _HELD = []  # this process's locks: (path, its text, the folders made for it)
+
+
+def stale(path: Path, mine: str, out_dir: Path) -> bool:
+    """A lock held by a process that is gone (kill -9) is removed (True); this process's own stays (False);
+    a live run's, here or on another host, is refused."""
+    held = path.read_text(errors="replace").split()
+    if held[:2] == mine.split():
+        return False
+    pid, host = (int(held[0]), held[1]) if len(held) >= 2 and held[0].isdigit() else (0, "")
+    if host == socket.gethostname() and pid and _alive(pid):
+        raise UserError(f"{out_dir} is in use by another run (process {pid}); wait for it to end, "
+                        "or pick another --out-dir") from None
+    if host not in ("", socket.gethostname()):
+        raise UserError(f"{out_dir} is in use by a run on {host} (process {pid}); if none runs "
+                        f"there, delete {path}, or pick another --out-dir") from None
+    path.unlink(missing_ok=True)
+    return True
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""How a run saves and how it stops: each stop ends in one line that says where, what last.pt holds, and
-the command that continues, never with a traceback or a lost checkpoint.
+"""How a run stops: each stop ends in one line that says where, what last.pt holds and the command that
+continues, never with a traceback or a lost checkpoint.
 
-- A signal (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: signals.py): the loop finishes its step, saves last.pt and
-  stops with the command that continues it (exit 128 + the signal). A second one stops at once.
+- A signal (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1): inside the loop it sets a flag; the loop finishes its step,
+  saves last.pt and stops (exit 128 + the signal). A second one stops at once. Outside the loop it stops
+  at once (Interrupted). Nothing interrupts a save.
 - An image the data cannot decode: last.pt is saved where the run stands, the file named.
 - Another process of a torchrun run gone: rank 0 saves the last whole step, if it holds one.
 - Divergence: no checkpoint of nan weights is written; the line says what rate to try.
@@ -18,82 +19,165 @@ import math
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from configs import Config, UserError, command_line, first_line
-from machinery import processes
+from configs import Config, UserError, command_line, exit_with_error, first_line
 from machinery.checkpoints import all_finite, write_checkpoint
-from machinery.image_files import UnreadableImage
+from machinery.processes import say
 from machinery.run_folder import continue_command, release_all
-from machinery.signals import SIGNALS, Interrupted
 
 # A logged training loss above this multiple of the run's first batch loss is not coming back
 # (lr_find.py stops its sweep at the same factor over its best loss).
 DIVERGENCE_FACTOR = 4.0
 
 
-class Stops(contextlib.AbstractContextManager):
-    """The training loop's saves and stops. `progress` is where the run stands (train.Progress: epoch,
-    batch, step, start_loss), `checkpoint()` the dict a save writes, `tensorboard` flushed before it.
-    Inside the block a signal only sets a flag, which `stop_if_signalled` reads after each step; the
-    block turns an unreadable image, a lost peer or a second signal into its one line."""
+class UnreadableImage(UserError):
+    """An image file that cannot be decoded: the run saves where it stands, the line names the file. From a
+    DataLoader worker it arrives with the worker's traceback as text: its last line is ours."""
 
-    def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], tensorboard):
+    def __init__(self, message: str):
+        worker = "Original Traceback" in message
+        super().__init__(message.rstrip().splitlines()[-1].split(": ", 1)[-1] if worker else message)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the process where it stands."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """The process's signal handlers, and the signal received (0: none). Mode "raise" stops at once,
+    "defer" (the loop) sets the flag, "hold" (a save) lets nothing interrupt."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received, self.mode, self.previous = 0, "raise", {}
+        self.stopped_by = 0  # the signal the outermost block received, until hand_on() passes it on
+        self.pass_on = True  # False: a signal ends the run as in a program (tests that signal themselves)
+
+    @contextlib.contextmanager
+    def installed(self, *, program: bool = False):
+        """Our handlers for the block (nested blocks share them; only the main thread has any). At its end
+        the earlier handlers are put back and, unless this is the script run as a `program`, get the signal."""
+        outermost = not self.previous and threading.current_thread() is threading.main_thread()
+        if outermost:
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
+            self.stopped_by = 0
+        try:
+            yield self
+        finally:
+            if outermost:
+                self.stopped_by = self.received
+                for sig, handler in self.previous.items():
+                    signal.signal(sig, handler)
+                self.previous, self.received, self.mode = {}, 0, "raise"
+                if not program:
+                    self.hand_on()
+
+    def hand_on(self) -> None:
+        """The signal that stopped the run, to the handler put back (a caller's: pytest's, a notebook's), so
+        that it stops too; Python's own SIGINT handler raises KeyboardInterrupt here."""
+        signum, self.stopped_by = self.stopped_by, 0
+        if signum and self.pass_on:
+            signal.raise_signal(signum)
+
+    @contextlib.contextmanager
+    def in_mode(self, mode: str):
+        before, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = before
+
+    @contextlib.contextmanager
+    def held_while_forking(self):
+        """A signal while DataLoader workers start is acted on after: raised inside a fork's at-fork
+        callbacks, it was only printed."""
+        before, first = self.mode, not self.received
+        with self.in_mode("hold"):
+            yield
+        if before == "raise" and first and self.received:
+            raise Interrupted(self.received)
+
+    def _handle(self, signum, frame):
+        first = not self.received
+        self.received = self.received or signum
+        if self.mode == "hold" or (self.mode == "defer" and first):
+            return
+        raise Interrupted(signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGTERM)  # a rank stopped by the others': as SIGTERM
+
+
+SIGNALS = Signals()  # one per process, as signal handlers are
+
+
+class Stops(contextlib.AbstractContextManager):
+    """The training loop's saves and stops. `progress` is where the run stands (train.Progress),
+    `checkpoint()` the dict a save writes, `logs` flushed before it, `process` where it runs (processes.py).
+    Inside the block a signal only sets a flag, read after each step."""
+
+    def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], logs, process):
         self.out_dir, self.progress, self.checkpoint = out_dir, progress, checkpoint
-        self.tensorboard = tensorboard
-        # where last.pt stands ("run": epoch, batch, step): a resumed run's is where it resumed; None: none
+        self.logs, self.process = logs, process
+        # what last.pt holds ("run": epoch, batch, step): a resumed run's where it resumed; None: none
         self.saved = dataclasses.asdict(progress) if progress.part > 1 else None
-        self.step_begun = None  # the step count when the loop began its step's forwards (see mid_step)
+        self.step_begun = None  # the step whose forwards have begun (mid_step)
         self.signals = contextlib.ExitStack()
 
     def save(self, *, best: bool = False) -> None:
-        """`checkpoint()` as out_dir/last.pt, and as best.pt too where `best` (rank 0 writes them; a signal
-        waits for them to be whole), never of nan or inf weights. TensorBoard writes first: its log holds
-        every step saved."""
+        """last.pt, and best.pt where `best`, by rank 0; never of nan or inf weights; the logs first."""
         state = self.checkpoint()
         if not all_finite(state["model"].values()):
             raise self.diverged("the weights hold nan or inf")
-        self.tensorboard.flush()
-        if processes.rank() == 0:  # the other ranks hold the same states
+        self.logs.flush()
+        if self.process.rank == 0:  # the other ranks hold the same states
             with SIGNALS.in_mode("hold"):
                 for name in ("last.pt", "best.pt")[:1 + best]:
                     write_checkpoint(state, self.out_dir / name)
         self.saved = state["run"]
 
+    def begin_step(self) -> None:
+        """The step's first forward: from here until its optimizer step the state is half a step's."""
+        self.step_begun = self.progress.step
+
     @property
     def mid_step(self) -> bool:
-        """Between a step's first forward and its optimizer step: the state is the step's, half done."""
         return self.step_begun == self.progress.step
 
-    def stop_if_signalled(self, log_point: bool, device) -> None:
-        """After a step: stop, saved, if a signal came (under torchrun all ranks agree at log points)."""
-        if SIGNALS.now(log_point, device):
+    def stop_if_signalled(self, log_point: bool) -> None:
+        """After a step: saved, then stopped, if a signal came. Under torchrun every rank must stop at the same
+        step, so they agree at log points, where the loop reads the device anyway."""
+        if (log_point or self.process.world_size == 1) and self.process.any(bool(SIGNALS.received)):
             if not self.saved or self.saved["step"] != self.progress.step:
                 self.save()
-            processes.say(f"interrupted at step {self.progress.step}; saved {self.out_dir / 'last.pt'}; "
-                          f"{self.resuming()}")
+            say(f"interrupted at step {self.progress.step}; saved {self.out_dir / 'last.pt'}; {self.resuming()}")
             raise SystemExit(SIGNALS.exit_code)
 
-    def check_divergence(self, train_loss: float, device) -> None:
-        """At a log point: stop when the training loss is not finite, or above DIVERGENCE_FACTOR x the run's
-        first batch loss (on all ranks at one step, if any rank sees it)."""
+    def check_divergence(self, train_loss: float) -> None:
+        """At a log point: stop on a loss that is not finite, or above DIVERGENCE_FACTOR x the first batch's."""
         start = self.progress.start_loss
-        why = (f"train loss {train_loss}" if not math.isfinite(train_loss) else
-               f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start:.4g}"
-               if start > 0 and train_loss > DIVERGENCE_FACTOR * start else None)
-        if processes.any_rank(why is not None, device):
-            raise self.diverged(why or "diverged on another process")
+        diverged = not math.isfinite(train_loss) or (start > 0 and train_loss > DIVERGENCE_FACTOR * start)
+        if self.process.any(diverged):
+            raise self.diverged(diverged_because(train_loss, start) if diverged else "diverged on another process")
 
     def check_val_loss(self, loss: float, line: str) -> None:
-        """After an evaluation: a val loss that is not finite stops the run (its epoch's line said first)."""
+        """After an evaluation: a val loss that is not finite stops the run, its epoch's line said first."""
         if not math.isfinite(loss):
-            processes.say(line)
+            say(line)
             raise self.diverged(f"val loss {loss} after epoch {self.progress.epoch + 1}")
 
     def diverged(self, what: str) -> UserError:
-        """The line a diverged run stops with: where, at what rate, what to try, and what last.pt holds. A
-        first loss that is not finite came before any step: the data or the model, not the rate."""
+        """Where, at what rate, what to try, what last.pt holds; a first loss that is not finite came before
+        any step: the data or the model, not the rate."""
         state, start = self.checkpoint(), self.progress.start_loss
         lr, at_lr = state["config"]["lr"], state["optimizer"]["param_groups"][0]["lr"]
         kept = (f"{self.out_dir / 'last.pt'} still holds step {self.saved['step']}" if self.saved
@@ -108,7 +192,7 @@ class Stops(contextlib.AbstractContextManager):
                          f"with the same options to find one; {kept}")
 
     def resuming(self) -> str:
-        return f"continue with `{continue_command(self.out_dir, processes.world_size())}`"
+        return f"continue with `{continue_command(self.out_dir, self.process.world_size)}`"
 
     def __enter__(self) -> Stops:
         self.signals.enter_context(SIGNALS.installed())
@@ -117,86 +201,108 @@ class Stops(contextlib.AbstractContextManager):
 
     def __exit__(self, kind, err, traceback) -> None:
         try:  # the lines below are said with the signals still deferred: a save is never cut short
-            self._stop(err)
+            if err is not None:
+                self.stopped_by(err)
         finally:
             self.signals.close()
 
-    def _stop(self, err: BaseException | None) -> None:
+    def stopped_by(self, err: BaseException) -> None:
+        """An unreadable image, a lost peer or a second signal as its one line, saved where that helps."""
         last, step = self.out_dir / "last.pt", self.progress.step
-        if isinstance(err, UnreadableImage):  # stops the run as Ctrl-C does, saved where it stands
+        if isinstance(err, UnreadableImage):  # stops as Ctrl-C does, saved where it stands
             here = (self.progress.epoch, self.progress.batch)
             if not self.saved or (self.saved["epoch"], self.saved["batch"]) != here:
                 self.save()
             raise UnreadableImage(f"{err}; {last} holds step {self.saved['step']}; replace or delete it, "
                                   f"then {self.resuming()}") from None
-        if isinstance(err, RuntimeError) and processes.peer_lost(err):
-            # Between steps every rank holds the last whole step (equal on all of them), so rank 0 saves it
-            # as it stands, which needs no collective; mid-step (a forward has moved BatchNorm's statistics
-            # and the RNGs) last.pt stays as it is, whole.
-            whole = not self.mid_step and step > (self.saved["step"] if self.saved else 0)
-            if processes.rank() == 0 and whole:
-                self.save()
-            left = f"{last} holds step {self.saved['step']}" if self.saved else "no checkpoint was written"
-            raise UserError(f"another process of this run failed ({first_line(err, 120)}): stopped at step "
-                            f"{step}; {left}; continue with `torchrun ... train.py ... --resume auto` "
-                            "(torchrun --max-restarts N does that itself)", 1) from None
+        if isinstance(err, RuntimeError) and self.process.world_size > 1:
+            from machinery.torchrun import peer_lost
+
+            if peer_lost(err):
+                self.peer_lost(err)
         if isinstance(err, Interrupted):  # a second signal: stopped at once
             left = (f"{last} holds step {self.saved['step']}; {self.resuming()}" if self.saved
                     else "no checkpoint was written")
             raise UserError(f"interrupted again by {err}: stopped at once at step {step}; {left}",
                             128 + err.signum) from None
 
+    def peer_lost(self, err: BaseException) -> None:
+        """Between steps every rank holds the last whole step, so rank 0 saves it, with no collective; mid-step
+        (a forward moved BatchNorm's statistics and the RNGs) last.pt stays as it is, whole."""
+        whole = not self.mid_step and self.progress.step > (self.saved["step"] if self.saved else 0)
+        if self.process.rank == 0 and whole:
+            self.save()
+        left = f"{self.out_dir / 'last.pt'} holds step {self.saved['step']}" if self.saved else (
+            "no checkpoint was written")
+        raise UserError(f"another process of this run failed ({first_line(err, 120)}): stopped at step "
+                        f"{self.progress.step}; {left}; continue with `torchrun ... train.py ... --resume auto` "
+                        "(torchrun --max-restarts N does that itself)", 1) from None
+
+
+def diverged_because(train_loss: float, start: float) -> str:
+    if not math.isfinite(train_loss):
+        return f"train loss {train_loss}"
+    return f"train loss {train_loss:.4g}, over {DIVERGENCE_FACTOR:g}x the first batch's {start:.4g}"
+
 
 def lower_rate_command(config: dict, out_dir: Path) -> str:
-    """The command that runs a diverged run again at a tenth of its rate, in a new folder beside out_dir: a
-    new run in out_dir would be refused where its last.pt holds the unfinished run (and its logs stay there,
-    to compare)."""
+    """The command that runs a diverged run again at a tenth of its rate, in a new folder beside out_dir
+    (a new run in out_dir would be refused: its last.pt holds the unfinished run)."""
     lr, base = float(f"{config['lr'] / 10:.2g}"), out_dir if out_dir.name else out_dir.resolve()
     new, n = base.with_name(f"{base.name}-lr{lr:g}"), 1
     while new.exists():
         n += 1
         new = base.with_name(f"{base.name}-lr{lr:g}-{n}")
     command = command_line("train.py", Config(**{**config, "lr": lr, "out_dir": str(new)}), leave_out=())
-    return command + (" (under torchrun, with those flags)" if processes.world_size() > 1 else "")
+    return command + (" (under torchrun, with those flags)" if "RANK" in os.environ else "")
 
 
 @contextlib.contextmanager
 def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError, program: bool = True):
-    """A script's whole run, ending in one line whatever stops it: a signal from start-up on (`after` says
-    where it struck and what is as it was), a UserError (`caught`: also any ValueError, for lr_find.py) with
-    its exit code (0: nothing to do, said and not an error), a failure torch reports at length (`status`).
-    Under torchrun one process says it; the folder's lock and the process group are let go in any case.
-    `program` False (the script's main() called in-process): a signal then goes on to the caller's handler
-    (signals.py), after the line."""
+    """A script's whole run, ending in one line whatever stops it (`after`: what a signal outside the loop
+    left as it was); the folder's lock and the process group are let go in any case. `program` False (main()
+    called in-process): a signal then goes on to the caller's handler."""
     try:
         with SIGNALS.installed(program=True):  # handed on at the very end, where not `program`
             yield
-    except caught as err:
-        code = getattr(err, "code", 2)
-        if code == 0:  # nothing to do (a complete run resumed)
-            processes.say(str(err))
-            return
-        # Under torchrun, one line from one process; a file only one rank read, from that rank.
-        if processes.rank() == 0 or isinstance(err, UnreadableImage):
-            processes.tell_torchrun(f"error: {err}")
-            exit_with_error(str(err), code)
-        raise SystemExit(code) from None
-    except (KeyboardInterrupt, Exception) as err:  # a signal outside the loop, or a known torch failure
-        if processes.rank() != 0 and not isinstance(err, KeyboardInterrupt):
-            raise  # torch's long report, from rank 0 alone
-        exit_with_error(*failure_line(err, after, status))
+    except (KeyboardInterrupt, Exception) as err:
+        ended(err, after, status=status, caught=caught)
     finally:
         release_all()
-        processes.cleanup()
+        if "RANK" in os.environ:
+            from machinery.torchrun import leave
+
+            leave()
         if not program:
             SIGNALS.hand_on()
         else:  # the process ends next: its last collection walked torch's millions of objects, 0.7 s on exit
             gc.freeze()
 
 
+def ended(err: BaseException, after: str, *, status: int, caught: type[Exception]) -> None:
+    """The line a script ends with: a UserError's (`caught`; code 0: nothing to do, said, no error), a
+    signal's, or a known failure of torch's; under torchrun from one process."""
+    torchrun, rank = "RANK" in os.environ, int(os.environ.get("RANK", "0"))
+    if isinstance(err, caught):
+        code = getattr(err, "code", 2)
+        if code == 0:  # nothing to do (a complete run resumed)
+            say(str(err))
+            return
+        if rank == 0 or isinstance(err, UnreadableImage):  # a file only one rank read, from that rank
+            if torchrun:
+                from machinery.torchrun import tell_torchrun
+
+                tell_torchrun(f"error: {err}")
+            exit_with_error(str(err), code)
+        raise SystemExit(code) from None
+    if rank != 0 and not isinstance(err, KeyboardInterrupt):
+        raise err  # torch's long report, from rank 0 alone
+    exit_with_error(*failure_line(err, after, status))
+
+
 def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, int]:
-    """The one line and exit code for a signal (`after` its name: where, what is as it was, what to do)
-    or a known failure of torch's (`status`); any other error raises again."""
+    """The one line and exit code for a signal (`after`: where, what is as it was, what to do) or a known
+    failure of torch's (`status`); any other error raises again."""
     if isinstance(err, KeyboardInterrupt):
         signum = getattr(err, "signum", signal.SIGINT)
         return f"interrupted by {signal.Signals(signum).name}{after}", 128 + signum
@@ -205,7 +311,7 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
         line = ("the output was closed (its reader, such as `head`, ended): stopped, and every file written "
                 "so far is whole (a train.py run continues with --resume)")
         return line, 128 + signal.SIGPIPE
-    text, first = str(err).strip(), first_line(err)  # a failure torch reports at length: one line of it
+    text, first = str(err).strip(), first_line(err)
     if "more than 1 value per channel" in text:
         line = (f"the model's BatchNorm gets one value per channel ({first}); use a --batch-size of 2 or "
                 "more, or larger inputs (--image-size)")
@@ -227,9 +333,3 @@ def failure_line(err: BaseException, after: str, status: int = 2) -> tuple[str, 
     else:
         raise err
     return line, status
-
-
-def exit_with_error(message: str, status: int = 2):
-    """The one line a script ends with: on stderr, and the exit status."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(status)

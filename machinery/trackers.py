@@ -1,4 +1,4 @@
-"""The optional experiment trackers of --log-to: W&B and MLflow, fed by logs.TensorBoard the points,
+"""The optional experiment trackers of --log-to: W&B and MLflow, fed by logs.Logs the points,
 pictures and summary TensorBoard gets, on rank 0. Each is imported only when named; its run id is kept in the
 checkpoint, so a resume, `--resume auto` and a torchrun restart continue the same run, and points at or
 below the step it last logged are not logged again (a resumed run logs its steps past the checkpoint anew).
@@ -24,7 +24,7 @@ PROJECT = "torch-template"  # W&B's project, MLflow's experiment, unless WANDB_P
 
 @dataclass
 class Tracker:
-    """An opened tracker: what logs.TensorBoard calls at its log points, its pictures and its end."""
+    """An opened tracker: what logs.Logs calls at its log points, its pictures and its end."""
 
     run_id: str
     scalars: Callable[[list[tuple[str, int, float]]], None]  # (tag, step, value) rows
@@ -130,11 +130,13 @@ def open_mlflow(out_dir: Path, config: dict, run_id: str | None, log_model: bool
     return Tracker(run_id, scalars, images, finish, lambda: client.set_terminated(run_id, "KILLED"))
 
 
-def open_all(names: list[str], out_dir: Path, config: dict, run_ids: dict, log_model: bool) -> dict:
-    """The trackers among `names`, each continuing its run in `run_ids` (a resume's) or starting one. One that
-    cannot start is one line, and the ones opened before it are stopped."""
-    opened = {}
-    for name in [name for name in names if name in OPENERS]:
+def open_all(names: list[str], out_dir: Path, config: dict, resumed, log_model: bool) -> dict:
+    """The trackers among `names`, each installed, and continuing its run in the checkpoint `resumed` or
+    starting one. One that cannot start is one line, and the ones opened before it are stopped."""
+    named = [name for name in names if name in OPENERS]
+    check_installed(named)
+    run_ids, opened = (resumed and resumed.state.get("trackers")) or {}, {}
+    for name in named:
         try:
             opened[name] = OPENERS[name](out_dir, config, run_ids.get(name), log_model)
         except Exception as err:  # whatever the package raises: its message, in the line

@@ -7,25 +7,14 @@ it; any other mismatch is one line that names the tensors.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from configs import UserError
-from machinery.checkpoints import load_checkpoint
+from machinery.checkpoints import load_checkpoint, weights_of
 from machinery.files import downloading
-
-
-def weights_of(state: dict) -> dict:
-    """The state_dict in a checkpoint of ours (the --ema average where it holds one, else "model"), a
-    Lightning-style one ("state_dict") or a plain one, without the `module.` and `_orig_mod.` prefixes
-    DDP and torch.compile add."""
-    weights = state.get("ema") or state.get("model", state.get("state_dict", state))
-    if not isinstance(weights, dict):
-        raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
-    return {re.sub(r"^(module\.|_orig_mod\.)+", "", key): value for key, value in weights.items()}
 
 
 def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,
@@ -60,6 +49,17 @@ def load_weights(model: nn.Module, state: dict, num_outputs: int, source: str,
 
 def _shape(value) -> str:
     return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def starting_weights(model: nn.Module, cfg, channels: int, num_outputs: int) -> list[str]:
+    """A new run's weights from elsewhere: --pretrained (into the torchvision model inside any channel
+    adapter), then --init-from; what was done, to be said at start-up."""
+    said = []
+    if cfg.pretrained:
+        said.append(pretrained(model[-1] if channels != 3 else model, cfg.model, num_outputs))
+    if cfg.init_from:
+        said.append(init_from(model, cfg.init_from, num_outputs))
+    return said
 
 
 def init_from(model: nn.Module, path: str, num_outputs: int) -> str:

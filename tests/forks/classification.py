@@ -1,13 +1,10 @@
 """The task: what the model's outputs mean. To train for another task, this is the file to edit.
 
-It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a
-prediction is (a row of evaluate.py --predict's predictions.csv). Every path that computes a loss or a
-metric calls these: the training loop, `python lr_find.py`, evaluation, evaluate.py, the benchmarks. The
-rest of the template (resume, torchrun, checkpoints, logs) reads only the names defined here, so it works
-for any task that defines them: docs/your_data.md, "The task: task.py", is the whole list, with what each
-is for and which are optional. This one is single-label classification: cross-entropy, accuracy, a
-confusion matrix and the most confidently wrong images. tests/forks/ holds other tasks written this way
-(regression, multi-label, class-weighted, average precision, boxes), which the machinery tests run too.
+It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a prediction is
+(a row of evaluate.py --predict's predictions.csv). Training, lr_find.py, evaluation and evaluate.py all call
+these; the rest of the template reads only the names defined here (docs/your_data.md, "The task: task.py",
+lists them). This one is single-label classification: cross-entropy, accuracy, a confusion matrix and the
+most confidently wrong images. tests/forks/ holds other tasks written this way.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ import torch.nn.functional as F
 
 from machinery.contract import IGNORE_INDEX
 from machinery.inputs import joined, take
-from machinery.pictures import confusion_picture, image_grid
-from machinery.processes import ACROSS_PROCESSES
+from machinery.logs import confusion_picture, image_grid
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
 TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
@@ -32,17 +28,16 @@ INPUTS_SHOWN = 32  # training images in the picture of what the model receives
 
 
 def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
-    """The batch's loss summed over what `normalizer` counts: what training minimizes, lr_find sweeps
-    and evaluation reports, each divided once by the normalizers' sum over all the batches they take
-    together (an optimizer step's micro-batches and processes, a whole evaluation). A mean within the
-    batch would weigh a weighted or masked batch wrongly. `info`: data.DataInfo (class_counts, ...)."""
+    """The batch's loss summed over what `normalizer` counts, not a mean: training, lr_find and evaluation
+    divide once by the normalizers of all the batches they take together (a step's micro-batches and
+    processes, a whole evaluation), so weighted and masked means stay exact. `info`: batches.DataInfo."""
     return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def normalizer(targets: torch.Tensor, cfg, info) -> int | torch.Tensor:
-    """What loss() sums over: the examples; per-pixel targets count their pixels but a crop's padding
-    (a tensor, as it depends on the values: never read on the host)."""
+    """What loss() sums over: the examples; per-pixel targets count their pixels but a crop's padding (a
+    tensor, as it depends on the values: never read on the host)."""
     return len(targets) if targets.ndim == 1 else (targets != IGNORE_INDEX).sum()
 
 
@@ -61,10 +56,9 @@ class Evaluation:
 
 
 class Tally:
-    """Loss and normalizer sums, confusion matrix and the most confidently wrong examples of one
-    validation pass, kept on the device: a read per batch would wait for the device every batch. Per-pixel
-    targets count each pixel (a crop's padding none). Under torchrun each process tallies its shard, and
-    result() sums the sums and gathers each one's wrong examples: the figures and pictures are the split's."""
+    """Loss and normalizer sums, the confusion matrix and the most confidently wrong examples of one
+    evaluation, kept on the device (a read per batch would wait for it every batch). Under torchrun each
+    process tallies its shard, and result() combines them: the figures and pictures are the split's."""
 
     def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
@@ -85,8 +79,8 @@ class Tally:
 
     def _keep_worst(self, outputs, targets, inputs, predicted) -> None:
         confidence = outputs.softmax(1).amax(1).masked_fill_(predicted == targets, -1.0)  # -1: right
-        batch = self._top((confidence, inputs, targets, predicted))  # inputs: a tensor, or a tuple or dict
-        if self.worst is not None:  # of them (several inputs)
+        batch = self._top((confidence, inputs, targets, predicted))  # inputs: a tensor, or several
+        if self.worst is not None:
             batch = self._top(tuple(joined(pair) for pair in zip(self.worst, batch, strict=True)))
         self.worst = batch
 
@@ -95,9 +89,9 @@ class Tally:
         top = kept[0].topk(min(self.keep, len(kept[0]))).indices
         return tuple(take(x, top) for x in kept)
 
-    def result(self, across=ACROSS_PROCESSES) -> Evaluation:
-        """The metrics, from the device's tallies combined over torchrun's processes (`across`, from
-        machinery/processes.py: its sum, and the gather of each process's most confidently wrong)."""
+    def result(self, across) -> Evaluation:
+        """The metrics, from the device's tallies combined over torchrun's processes by `across` (the run's
+        process: its sum, and its gather of each process's most confidently wrong examples)."""
         total, (count, *cells) = across.sum(self.loss).item(), across.sum(self.counts).tolist()
         n = len(self.names)
         confusion = [cells[r * n: (r + 1) * n] for r in range(n)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from machinery.pictures import image_grid
+from machinery.logs import image_grid
 
 NAME = "multilabel"
 METRICS = ("loss", "f1")

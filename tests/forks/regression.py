@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from machinery.pictures import image_grid
+from machinery.logs import image_grid
 
 NAME = "regression"
 METRICS = ("loss", "mae")
