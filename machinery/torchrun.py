@@ -25,9 +25,10 @@ from machinery.inputs import each
 class Torchrun:
     """This process in torchrun's process group: the same methods as processes.Alone."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, rank: int | None = None, world_size: int | None = None):
         self.device = device
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
 
     @classmethod
     def joined(cls, device: torch.device, timeout_minutes: float) -> Torchrun:
@@ -41,7 +42,7 @@ class Torchrun:
         store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes))
-        return cls(device)
+        return cls(device, rank, world_size)
 
     def on_rank0(self, work: Callable, *args) -> None:
         """`work(*args)` on rank 0 alone, its UserError raised on every rank: they go on, or stop, together."""

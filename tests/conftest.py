@@ -195,9 +195,9 @@ def crash_at_step(monkeypatch, step: int):
 @pytest.fixture
 def signals_end_the_run(monkeypatch):
     """For a test that signals its own process: the run stops as `python train.py` would, with its line and
-    exit code, and the signal does not go on to pytest's handler (machinery/signals.py: Ctrl-C would end
+    exit code, and the signal does not go on to pytest's handler (machinery/stops.py: Ctrl-C would end
     the session, SIGTERM the process)."""
-    from machinery.signals import SIGNALS
+    from machinery.stops import SIGNALS
 
     monkeypatch.setattr(SIGNALS, "pass_on", False)
 

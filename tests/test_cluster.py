@@ -16,7 +16,7 @@ from test_work_kept import TINY
 import train
 from configs import parse_config
 from configs.resolve import MAY_CHANGE_ON_RESUME
-from machinery import checkpoints, processes
+from machinery import checkpoints, processes, torchrun
 
 
 def test_the_process_group_waits_as_long_as_dist_timeout_says(monkeypatch):
@@ -25,7 +25,7 @@ def test_the_process_group_waits_as_long_as_dist_timeout_says(monkeypatch):
     asked = {}
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(processes, "watch_parent", lambda: None)
+    monkeypatch.setattr(torchrun, "watch_parent", lambda: None)
     monkeypatch.setattr(dist, "rendezvous", lambda *args: iter([(dist.HashStore(), 0, 1)]))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: asked.update(kwargs))
     processes.start("cpu", 7.5)
@@ -87,12 +87,12 @@ def test_ddp_broadcasts_no_buffers_each_forward(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-        wrapped = processes.data_parallel(model, torch.device("cpu"))
+        wrapped = torchrun.Torchrun(torch.device("cpu")).parallel(model)
         assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         assert not wrapped.broadcast_buffers
     finally:
         dist.destroy_process_group()
-    assert processes.data_parallel(model, torch.device("cpu")) is model  # alone: no wrapper
+    assert processes.Alone(torch.device("cpu")).parallel(model) is model  # alone: no wrapper
 
 
 def test_seed_sets_numpy_and_pythons_random_too(tmp_path, monkeypatch, capsys):

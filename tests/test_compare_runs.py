@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import models
 import train
 from configs import Config, parse_config, parse_given
-from machinery import checkpoints, logs, stops
+from machinery import checkpoints, logs, resume, stops
 
 
 @pytest.fixture
@@ -114,11 +114,11 @@ def test_a_resume_between_two_log_points_logs_the_loss_an_uninterrupted_run_logs
 def test_the_unlogged_losses_and_their_normalizers_survive_a_weights_only_checkpoint(tmp_path):
     losses, counts = [torch.tensor(1.5), torch.tensor(2.25)], [torch.tensor(3.0), torch.tensor(4.0)]
     checkpoints.write_checkpoint({"unlogged": checkpoints.unlogged(losses, counts)}, tmp_path / "x.pt")
-    resumed = checkpoints.Resumed(tmp_path / "x.pt", checkpoints.load_checkpoint(tmp_path / "x.pt"))
-    kept, normalizers = checkpoints.restore_unlogged(resumed, torch.device("cpu"))
+    resumed = resume.Resumed(tmp_path / "x.pt", checkpoints.load_checkpoint(tmp_path / "x.pt"))
+    kept, normalizers = resumed.unlogged(torch.device("cpu"))
     assert torch.equal(torch.stack(kept), torch.stack(losses)) and normalizers == counts
-    assert checkpoints.restore_unlogged(None, torch.device("cpu")) == ([], [])
     assert checkpoints.unlogged([], [8, 8])["counts"] == [8, 8]
+    assert resume.Resumed(tmp_path / "older.pt", {}).unlogged(torch.device("cpu")) == ([], [])  # none kept
 
 
 def test_a_new_run_moves_a_csv_runs_logs_into_a_folder_named_after_that_runs_start(tmp_path, monkeypatch):

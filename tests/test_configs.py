@@ -150,14 +150,14 @@ def test_the_choices_are_read_where_they_are_defined():
     import data
     import models
     import schedules
-    from machinery import precision
+    from machinery import processes
 
     assert train.CHOICES["dataset"] is data.DATASETS
     assert train.CHOICES["optimizer"] is models.OPTIMIZERS
     assert train.CHOICES["schedule"] is schedules.SCHEDULES
     assert {lr_find.family_of(s) for s in schedules.SCHEDULES} == {"peak", "base"}  # each one's suggestion
     for mode in CHOICES["amp"]:
-        precision.amp_dtype(torch.device("cpu"), mode)
+        processes.amp_dtype(torch.device("cpu"), mode)
     assert CHOICES == {"dataset": tuple(data.DATASETS), "loader": ("auto", "device", "host", "dataloader"),
                        "optimizer": tuple(models.OPTIMIZERS), "schedule": schedules.SCHEDULES,
                        "find_method": ("auto", *lr_find.METHODS), "amp": ("auto", "bf16", "fp16", "off"),

@@ -6,19 +6,22 @@ import torch.nn.functional as F
 from conftest import build_loaders
 
 from configs import parse_config
-from machinery.batches import Batches, ImageSteps, Serving, augment, epoch_plan
+from machinery.batches import DeviceBatches, ImageSteps, Serving, augment, epoch_plan
+from machinery.served import Batches
 
 CPU = torch.device("cpu")
 
 
-def make_batches(source, labels, **overrides):
-    """Batches of uint8 images with these overrides, of Batches' options or of its ImageSteps'."""
+def make_batches(source, labels, *, served: bool = False, **overrides):
+    """Batches of uint8 images with these overrides, of Serving's options or of ImageSteps': a tensor's
+    (DeviceBatches, the plain path's; `served`: machinery/served.py's Batches), or a Dataset's (workers)."""
     image = {"mean": torch.tensor([0.5]), "std": torch.tensor([0.25]), "pad": 2, "flip": True}
     options = {"batch_size": 8, "seed": 3, "device": CPU}
     train = overrides.pop("train", True)
     for key, value in overrides.items():
         (image if key in image else options)[key] = value
-    return Batches(source, labels, Serving(**options), train=train, image=ImageSteps(**image))
+    kind = DeviceBatches if isinstance(source, torch.Tensor) and not served else Batches
+    return kind(source, labels, Serving(**options), train=train, image=ImageSteps(**image))
 
 
 def indexed_images(n: int = 44, size: int = 6):
@@ -47,6 +50,27 @@ def test_dataloader_path_augments_identically():
                                   num_workers=1)
     for (xa, ya), (xb, yb) in zip(device_batches.epoch(2), worker_batches.epoch(2), strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("shard", [(0, 1), (1, 3)])
+def test_the_plain_path_serves_what_the_general_path_serves_bit_for_bit(shard):
+    """DeviceBatches (one tensor on the device: the default run's) and served.Batches on the same tensors:
+    the same training epochs (order, crops, flips, a start mid-epoch), validation batches, first examples
+    and pixels back, for one process and for a rank of three."""
+    images, labels = indexed_images(50)
+    options = {"rank": shard[0], "world_size": shard[1], "resize": 9}
+    for train in (True, False):
+        plain, general = (make_batches(images, labels, served=served, train=train, **options)
+                          for served in (False, True))
+        assert len(plain) == len(general)
+        for epoch, start in ((0, 0), (3, 1)):
+            pairs = list(zip(plain.epoch(epoch, start), general.epoch(epoch, start), strict=True))
+            assert pairs
+            for (xa, ya), (xb, yb) in pairs:
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert all(torch.equal(a, b) for a, b in zip(plain.first(5), general.first(5), strict=True))
+        x = plain.first(5)[0]
+        assert torch.equal(plain.to_pixels(x), general.to_pixels(x))
 
 
 def test_augmented_images_are_padded_crops_or_flips_of_their_source():

@@ -20,7 +20,8 @@ import data
 import models
 import train
 from configs import UserError, parse_config
-from machinery import checkpoints, precision, processes
+from machinery import checkpoints, processes
+from machinery.torchrun import Torchrun
 
 
 def test_ranks_agree_in_a_one_process_group(tmp_path):
@@ -29,7 +30,7 @@ def test_ranks_agree_in_a_one_process_group(tmp_path):
                             world_size=1)
     try:
         nn.parallel.DistributedDataParallel(model)
-        assert processes.ranks_agree(model)
+        assert Torchrun(torch.device("cpu")).agree(model)
     finally:
         dist.destroy_process_group()
 
@@ -41,16 +42,16 @@ def ranks_agree_worker(rank: int, store: str, out_dir: str) -> None:
     try:
         torch.manual_seed(0)  # the same model on both ranks
         model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-        verdicts = [processes.ranks_agree(model)]
+        verdicts = [Torchrun(torch.device("cpu")).agree(model)]
         for tensor in (model[0].weight, model[1].running_mean):  # a parameter, then a buffer
             before = tensor.detach().clone()
             if rank == 1:
                 with torch.no_grad():
                     tensor.view(-1)[1] = torch.nextafter(tensor.view(-1)[1], torch.tensor(math.inf))
-            verdicts.append(processes.ranks_agree(model))
+            verdicts.append(Torchrun(torch.device("cpu")).agree(model))
             with torch.no_grad():
                 tensor.copy_(before)
-        verdicts.append(processes.ranks_agree(model))
+        verdicts.append(Torchrun(torch.device("cpu")).agree(model))
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(verdicts))
     finally:
         dist.destroy_process_group()
@@ -66,10 +67,10 @@ def test_ranks_agree_notices_one_rank_one_ulp_off(tmp_path):
 
 def test_amp_choices_on_cpu():
     cpu = torch.device("cpu")
-    assert precision.amp_setup(cpu, "auto") == (None, None)
-    assert precision.amp_setup(cpu, "off") == (None, None)
-    assert precision.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
-    dtype, scaler = precision.amp_setup(cpu, "fp16")
+    assert processes.amp_setup(cpu, "auto") == (None, None)
+    assert processes.amp_setup(cpu, "off") == (None, None)
+    assert processes.amp_setup(cpu, "bf16") == (torch.bfloat16, None)
+    dtype, scaler = processes.amp_setup(cpu, "fp16")
     assert dtype == torch.float16 and isinstance(scaler, torch.amp.GradScaler)
 
 
@@ -108,8 +109,9 @@ def evaluated(rank: int, world_size: int) -> dict:
     Tally.result takes `reduce` and sums; and the gather of each rank's example numbers."""
     data.DATASETS.update(entries("multilabel_data")[0])
     mine = torch.arange(rank, 7, world_size)  # 7 examples: ranks hold 4 and 3
-    found = {"numbers": processes.all_gather_rows(mine),
-             "flags": processes.all_gather_rows({"odd": (mine % 2 == 1)[:, None], "n": mine.float()})}
+    process = Torchrun(torch.device("cpu"))
+    found = {"numbers": process.gather(mine),
+             "flags": process.gather({"odd": (mine % 2 == 1)[:, None], "n": mine.float()})}
     for task, dataset, outputs in ((multilabel, "digit_facts", 3), (classification, "digits", 10)):
         cfg = parse_config([*SMALL, "--dataset", dataset])
         _, val, _, info = build_loaders(cfg, rank=rank, world_size=world_size, targets=task.TARGETS)

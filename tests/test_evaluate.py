@@ -121,7 +121,7 @@ def test_sigterm_to_the_group_while_evaluating_another_folder_with_workers_is_on
     argv = ["--checkpoint", str(image_run / "best.pt"), "--data-dir", str(other), "--device", "cpu",
             "--loader", "dataloader", "--num-workers", "2", "--batch-size", "4", "--out-dir",
             str(tmp_path / "out")]
-    as_the_script = "from machinery.signals import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
+    as_the_script = "from machinery.stops import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
     command = f"{as_the_script}import evaluate\nsys.argv = ['evaluate.py', *{argv!r}]\nevaluate.main()\n"
     stopped = terminated(tmp_path, command)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]

@@ -19,7 +19,7 @@ from torch import nn
 
 import train
 from configs import UserError, parse_config
-from machinery import batches, checkpoints, precision, processes
+from machinery import batches, checkpoints, precision, processes, served
 from models import build_model, build_optimizer, fused_by_default
 from schedules import build_scheduler, optimizer_step
 
@@ -119,7 +119,7 @@ def test_auto_amp_and_fused_choice_on_cuda(monkeypatch, native):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake_bf16_support(native))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a GradScaler("cuda") without CUDA warns that it is disabled
-        dtype, scaler = precision.amp_setup(CUDA, "auto")
+        dtype, scaler = processes.amp_setup(CUDA, "auto")
     assert dtype == (torch.bfloat16 if native else torch.float16)
     assert (scaler is None) == native
     sgd, adamw = (parse_config(OPTIMIZERS[name]) for name in ("sgd", "adamw"))
@@ -225,8 +225,8 @@ class WorkerPids(torch.utils.data.Dataset):
 
 def test_dataloader_workers_survive_epochs_and_evaluations():
     serving, image = batches.Serving(4, CPU, num_workers=2), batches.ImageSteps(torch.zeros(1), torch.ones(1))
-    for split in (batches.Batches(WorkerPids(), None, serving, train=True, image=image),
-                  batches.Batches(WorkerPids(), None, serving, train=False, image=image)):
+    for split in (served.Batches(WorkerPids(), None, serving, train=True, image=image),
+                  served.Batches(WorkerPids(), None, serving, train=False, image=image)):
         pids = [set(torch.cat([y for _, y in split.epoch(e)]).tolist()) for e in range(3)]
         assert len(pids[0]) == 2 and os.getpid() not in pids[0]
         assert pids[0] == pids[1] == pids[2], "workers were restarted between passes"

@@ -16,7 +16,7 @@ import task
 import train
 from configs import UserError, parse_config
 from configs.resolve import KEEPS_LR, differences, resumed_config
-from machinery import checkpoints, lr_auto
+from machinery import checkpoints, lr_auto, resume
 from models import OPTIMIZERS
 
 TINY = ["--dataset", "synthetic", "--synthetic-size", "128", "--image-size", "8", "--width", "4",
@@ -237,20 +237,20 @@ def test_failed_download_leaves_no_folders_it_created(tmp_path):
 
 
 def test_resume_header_counts_epochs_from_1(tmp_path):
-    assert checkpoints.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
-    assert checkpoints.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
+    assert resume.position(0, 0, 3, 8) == "epoch 1/3 at batch 1/8"
+    assert resume.position(1, 8, 3, 8) == "epoch 2/3 trained, its evaluation next"
     # A complete run with its summary gets no header: the resume says it is complete first. Without its
     # summary (stopped in its test pass) it is resumed, to finish.
     cfg = parse_config([*TINY, "--epochs", "3", "--out-dir", str(tmp_path), "--resume"])
     checkpoints.write_checkpoint({"model": {}, "optimizer": {}, "scheduler": {}, "rng": {}, "data": {},
                                   "run": {"epoch": 3, "batch": 0, "step": 24, "part": 0, "run_id": "r1"},
                                   "config": cfg.to_dict(), "task": task.NAME}, tmp_path / "last.pt")
-    assert checkpoints.load_resume(cfg, None, task)[1].state["run"]["step"] == 24
+    assert resume.load_resume(cfg, None, task)[1].state["run"]["step"] == 24
     (tmp_path / "summary.json").write_text('{"steps": 24, "run_id": "another run"}')
-    assert checkpoints.load_resume(cfg, None, task)[1].state["run"]["step"] == 24
+    assert resume.load_resume(cfg, None, task)[1].state["run"]["step"] == 24
     (tmp_path / "summary.json").write_text('{"steps": 24, "run_id": "r1"}')
     with pytest.raises(UserError, match=r"holds a complete run \(3 epochs, step 24\)") as done:
-        checkpoints.load_resume(cfg, None, task)
+        resume.load_resume(cfg, None, task)
     assert done.value.code == 0
 
 

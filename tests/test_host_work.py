@@ -21,7 +21,7 @@ from test_sync import ALL_LOGS, offline_trackers
 import task
 import train
 from configs import parse_config
-from machinery.precision import amp_setup, autocast
+from machinery.processes import amp_setup, autocast
 from models import build_model, build_optimizer
 
 STEPS = 4  # N; the second run has 3N (counts are exact: a few steps suffice)

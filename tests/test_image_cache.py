@@ -22,9 +22,9 @@ from PIL import Image
 import lr_find
 import train
 from configs import parse_config
-from machinery import checkpoints, files, image_cache, placement
+from machinery import checkpoints, files, image_cache, placement, workers
 from machinery.image_files import ImageFiles, folder_splits
-from machinery.signals import Interrupted
+from machinery.stops import Interrupted
 
 FLAGS = ["--dataset", "imagefolder", "--image-size", "8", "--width", "4", "--batch-size", "4", "--epochs",
          "1", "--device", "cpu", "--num-workers", "0", "--log-every", "1000"]
@@ -257,10 +257,10 @@ def test_the_memory_rule_and_the_workers(monkeypatch):
     assert placement.place("host", cpu, needed=1, decoded=True).where == "device"  # no GPU: host is it
     assert placement.place("dataloader", cuda, needed=1, decoded=True).where == "dataloader"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    assert [placement.workers("auto", cpu), placement.workers("auto", cuda)] == [2, 8]
-    assert placement.workers(3, cuda) == 3
+    assert [workers.count("auto", cpu), workers.count("auto", cuda)] == [2, 8]
+    assert workers.count(3, cuda) == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert placement.workers("auto", cuda) == 4
+    assert workers.count("auto", cuda) == 4
 
 
 # ---------------------------------------------------------------- faults while decoding, and torchrun

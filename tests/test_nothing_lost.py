@@ -332,7 +332,7 @@ def terminated(tmp_path: Path, command: str, workers: int = 2) -> subprocess.Com
 def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run, images, tmp_path):
     argv = ["--predict", str(images), "--checkpoint", str(image_run / "best.pt"), "--device", "cpu",
             "--num-workers", "2", "--batch-size", "4", "--out-dir", str(tmp_path / "out")]
-    as_the_script = "from machinery.signals import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
+    as_the_script = "from machinery.stops import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
     command = f"{as_the_script}import evaluate\nsys.argv = ['evaluate.py', *{argv!r}]\nevaluate.main()\n"
     stopped = terminated(tmp_path, command)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
@@ -343,7 +343,7 @@ def test_sigterm_to_the_group_during_predict_with_workers_is_one_line(image_run,
 def test_sigterm_to_the_group_during_lr_find_with_workers_is_one_line(images, tmp_path):
     argv = ["--dataset", "imagefolder", "--data-dir", str(images), *FILES, "--num-workers", "2",
             "--loader", "dataloader", "--find-iters", "200", "--out-dir", str(tmp_path / "out")]
-    as_the_script = "from machinery.signals import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
+    as_the_script = "from machinery.stops import SIGNALS\nSIGNALS.pass_on = False\n"  # ends as it would
     stopped = terminated(tmp_path, f"{as_the_script}import lr_find\nlr_find.main({argv!r})\n")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert stopped.stderr == ("error: interrupted by SIGTERM; lr_find wrote nothing and the model is as it "

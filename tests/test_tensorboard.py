@@ -191,7 +191,7 @@ def test_scalars_reach_the_writer_at_log_points_only_several_at_a_time(tmp_path,
     need not do), the loss and the step's rate together; issue 48 took train/lr out of every step."""
     from torch.utils.tensorboard import SummaryWriter
 
-    real_add, real_write, writes, outside = SummaryWriter.add_scalar, logs.TensorBoard.write, [], []
+    real_add, real_write, writes, outside = SummaryWriter.add_scalar, logs.Logs.write, [], []
     inside = [False]
 
     def add_scalar(self, *args, **kwargs):
@@ -208,7 +208,7 @@ def test_scalars_reach_the_writer_at_log_points_only_several_at_a_time(tmp_path,
         writes.append(kept)
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
-    monkeypatch.setattr(logs.TensorBoard, "write", write)
+    monkeypatch.setattr(logs.Logs, "write", write)
     train.train(parse_config([*RUN, "--log-every", "4", "--out-dir", str(tmp_path)]))
     assert outside == []
     assert max(writes) > 1 and sum(writes) == 4 + 4 + 2 * 2 + 2  # train/lr, train/loss, val/*, test/*

@@ -18,7 +18,7 @@ from test_nothing_lost import FILES, csv_folder, csv_source, files_of
 import data
 import train
 from configs import UserError, parse_config
-from machinery import checkpoints
+from machinery import checkpoints, resume
 
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
 image_run = test_nothing_lost.image_run  # a one-epoch run on them
@@ -95,12 +95,12 @@ def test_an_empty_test_folder_is_said_to_be_empty(images, tmp_path):
 def test_a_resume_on_other_files_of_the_same_sizes_is_refused():
     saved = {"train_size": 18, "val_size": 2, "test_size": None, "batches": 4, "names": ["a", "b"],
              "files": {"train": "0f", "val": "1e"}}
-    resumed = checkpoints.Resumed(Path("run/last.pt"), {"data": saved})
+    resumed = resume.Resumed(Path("run/last.pt"), {"data": saved})
     with pytest.raises(UserError, match=r"trained on other data \(other val files\)"):
-        checkpoints.check_same_data(resumed, {**saved, "files": {"train": "0f", "val": "2d"}})
-    checkpoints.check_same_data(resumed, saved)
-    older = checkpoints.Resumed(Path("run/last.pt"), {"data": {**saved, "files": None}})  # before the lists
-    checkpoints.check_same_data(older, {**saved, "files": {"train": "0f", "val": "2d"}})
+        resume.check_same_data(resumed, {**saved, "files": {"train": "0f", "val": "2d"}})
+    resume.check_same_data(resumed, saved)
+    older = resume.Resumed(Path("run/last.pt"), {"data": {**saved, "files": None}})  # before the lists
+    resume.check_same_data(older, {**saved, "files": {"train": "0f", "val": "2d"}})
 
 
 def test_predict_keeps_latin_1_names_follows_links_and_names_what_it_skipped(image_run, images, tmp_path,
@@ -128,9 +128,9 @@ def test_a_dataloader_worker_says_nothing_of_the_connection_a_stopping_main_proc
     other kinds still show."""
     code = """if True:
         import signal, sys
-        from machinery import signals
+        from machinery import workers
         signal.signal(signal.SIGTERM, lambda *_: None)  # the main process's handler, as workers inherit it
-        signals.worker_init(0)
+        workers.worker_init(0)
         for error in (ConnectionResetError(104, "Connection reset by peer"), ValueError("a real one")):
             try:
                 raise error
@@ -147,10 +147,10 @@ def test_an_older_forks_describe_still_names_the_split(tmp_path, capsys):
     test split that says "test", not a TypeError."""
     from types import SimpleNamespace
 
-    from machinery import logs
+    from machinery import reports
 
     old = SimpleNamespace(describe=lambda val: f"val loss {val.metrics['loss']:.2f}", report=lambda val: [],
                           SAVED_PICTURES=())
     report = {"checkpoint": "best.pt", "split": "test", "test_size": 4, "dataset": "csv"}
-    logs.report_evaluation(old, SimpleNamespace(metrics={"loss": 0.5}), report, {}, tmp_path)
+    reports.report_evaluation(old, SimpleNamespace(metrics={"loss": 0.5}), report, {}, tmp_path)
     assert "best.pt on the 4 csv test examples: test loss 0.50" in capsys.readouterr().out
