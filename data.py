@@ -1,10 +1,6 @@
-"""Datasets by name (DATASETS): each a function of the config that returns a Source, its splits as tensors
-or as a Dataset of files. This is the file to edit for your own data; machinery/ reads image files
-(image_files.py: the folder scan, CSV lists, the per-file read; image_cache.py: decoded once and kept) and
-serves a Source's batches on the device (batches.py), after contract.py has checked them against the task.
-
-Inputs may be any [N, ...] tensor, uint8 or float; targets, whatever the task's loss takes. uint8
-[N, C, H, W] inputs are images, which get crops, flips and normalization on the device."""
+"""Datasets by name (DATASETS): each a function of the config that returns a Source, its splits as tensors or
+as a Dataset of files: the file to edit for your own data. Inputs may be any [N, ...] tensor; uint8
+[N, C, H, W] ones are images, cropped, flipped and normalized on the device. Targets: what the task takes."""
 
 import functools
 import gzip
@@ -58,9 +54,8 @@ def digits(cfg: Config) -> Source:
 
 
 def bundled_digits() -> numpy.ndarray:
-    """digits.csv.gz's [1797, 65] rows (64 pixels in 0..16, then the label) read as load_digits reads them,
-    without importing scikit-learn (a second of every run's start-up); load_digits itself where the file
-    is not where scikit-learn keeps it."""
+    """digits.csv.gz's [1797, 65] rows (64 pixels in 0..16, the label) read as load_digits reads them, without
+    importing scikit-learn (a second of start-up); load_digits itself where the file is not found."""
     shipped = (Path(folder) / "sklearn" / "datasets" / "data" / "digits.csv.gz" for folder in sys.path)
     path = next((path for path in shipped if path.is_file()), None)
     if path:
@@ -154,10 +149,8 @@ def csv_images(cfg: Config) -> Source:
 
 
 def hold_out(labels: torch.Tensor, fraction: float, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A training split's indices divided into train and val: round(`fraction` x N) examples held out, each
-    class's share in proportion to its size (stratified; the largest remainders round up) but never its
-    last example, which training needs; drawn with the split's own seed: every run, --seed and process
-    holds out the same ones."""
+    """A training split's indices as train and val: round(`fraction` x N) held out, each class in proportion
+    (never its last example), drawn by the split's own seed: every run and process holds out the same."""
     total = round(fraction * len(labels))
     if not 0 < total < len(labels):
         raise UserError(f"{dataset}: {len(labels)} training examples are too few to hold out a "

@@ -31,8 +31,7 @@ class Residual(nn.Module):
 
 
 def head_dropout(p: float) -> list[nn.Module]:
-    """Dropout before the classifier, only when asked for: the layers' names (a checkpoint's keys) stay
-    those of the model without it."""
+    """Dropout before the classifier, only where asked for: a checkpoint's keys stay those without it."""
     return [nn.Dropout(p)] if p > 0 else []
 
 
@@ -141,9 +140,8 @@ OPTIMIZERS = {
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float,
                     fused: bool | None = None) -> torch.optim.Optimizer:
-    """OPTIMIZERS[cfg.optimizer], with no weight decay on biases and norm layers' weights: two param groups,
-    decayed (matrices, conv kernels) and not (anything 1-D). `fused` None decides by `fused_by_default`;
-    True or False forces it (fused kernels exist on CPU too)."""
+    """OPTIMIZERS[cfg.optimizer] with two param groups, decayed (matrices, kernels) and not (anything 1-D:
+    biases, norm weights); `fused`: None decides by fused_by_default, True or False forces it."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]

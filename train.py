@@ -61,59 +61,43 @@ class Progress:
 
 
 def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
-    """One run; a resume continues with its checkpoint's config, `given` (the flags given now; None: all
-    of cfg) on top. Returns what summary.json holds."""
+    """One run (resumed: its checkpoint's config, the flags `given` now on top); what summary.json holds."""
     # ---- Setup: the config (a resume's), this process's place, the rate, the run folder (claimed).
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
     process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)  # alone, or torchrun's
     device = process.device
     lr = float(cfg.lr) if cfg.lr != "auto" else auto_lr(cfg, task)
     out_dir = run_folder.claim(Path(cfg.out_dir), resumed, process)
-    checkpoints.seed_rngs(cfg.seed)
 
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
-    batches, info, model = setup(cfg, task, device, shard=(process.rank, process.world_size),
-                                 fresh=resumed is None)
+    batches, info, model = setup(cfg, task, device, shard=process.shard, fresh=resumed is None)
     amp_dtype, scaler = amp_setup(device, cfg.amp)  # bf16 where the GPU has it, else fp16 with a GradScaler
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, info.batches)
-    ema = None
-    if cfg.ema:  # an average of the weights, which evaluation and best.pt use; never trained
-        from machinery.precision import Ema
-
-        ema = Ema(model, cfg.ema)
+    ema = averaged(model, cfg.ema) if cfg.ema else None  # evaluation and best.pt use it; never trained
     process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
-    progress = Progress() if resumed is None else resumed.restore(
-        info, cfg.epochs, Progress, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        ema=ema and ema.average)
+    states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    progress = Progress() if resumed is None else resumed.restore(info, cfg.epochs, Progress, **states)
     evaluated = ema.average if ema else model  # what evaluation measures and best.pt keeps
-    training, evaluation, free_gradients = model, evaluated, True
-    if cfg.compile != "off":  # the training and the evaluation forward, each compiled once
-        from machinery.precision import compile_model
-
-        training, evaluation, free_gradients = compile_model(
-            model, evaluated, cfg.compile, device, notes=info.notes, accum_steps=cfg.accum_steps,
-            batch_size=cfg.batch_size // process.world_size)
+    training, evaluation, free_gradients = compiled(model, evaluated, cfg, info.notes, process) if (
+        cfg.compile != "off") else (model, evaluated, True)  # what the loop calls to train, to evaluate
     ddp_model = process.parallel(training)  # under torchrun its one DDP wrapper; alone the model itself
 
     # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
     log = logs.Logs(out_dir, cfg, lr, resumed=resumed, active=process.rank == 0)  # first: --log-to's packages
     process.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    logs.announce(cfg, task, info, log.moved)
-    logs.describe_run(cfg, model, (process, amp_dtype), lr, total_steps)
+    logs.announce(cfg, task, info, log.moved, (model, process, amp_dtype, lr, total_steps))
 
-    def checkpoint() -> dict:
-        """Every state to continue bit for bit from `progress` ("data": what a resume checks; "inputs")."""
+    def checkpoint() -> dict:  # every state to continue bit for bit from `progress`
         run = {**asdict(progress), "seconds_before": progress.seconds_before + time.perf_counter() - started}
-        return {"model": model.state_dict(), "ema": ema.average.state_dict() if ema else None,
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler else None, "rng": checkpoints.capture_rng_state(),
-                "run": run, "config": {**cfg.to_dict(), "lr": lr}, "task": task.NAME,
-                "task_source": checkpoints.task_identity(task)["source"], "data": info.data_record(),
-                "inputs": info.inputs_record(), "step": progress.step, "total_steps": total_steps,
-                "trackers": log.run_ids(), "unlogged": checkpoints.unlogged(losses, counts)}
+        return {**{name: state.state_dict() if state else None for name, state in states.items()},
+                "rng": checkpoints.capture_rng_state(), "run": run, "config": {**cfg.to_dict(), "lr": lr},
+                "task": task.NAME, "task_source": checkpoints.task_identity(task)["source"],
+                "data": info.data_record(), "inputs": info.inputs_record(), "step": progress.step,
+                "total_steps": total_steps, "trackers": log.run_ids(),
+                "unlogged": checkpoints.unlogged(losses, counts)}  # losses since the last log point
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     started, speed, weights, val = time.perf_counter(), logs.Speed(), {}, None
@@ -125,8 +109,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             stream = batches.train.epoch(epoch, progress.batch)
             speed.start(progress.batch)
             while progress.batch < info.batches:
-                # Accumulation: accum_steps micro-batches a step (fewer at an epoch's end), each summed loss
-                # weighted by 1 / the step's normalizers on all processes: one batch k x N large.
+                # accum_steps micro-batches a step, each loss weighted as in one batch k x N large
                 window = [next(stream) for _ in range(min(cfg.accum_steps, info.batches - progress.batch))]
                 normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
                 weight = step_weight(normalizers, process, weights)
@@ -144,8 +127,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                             inputs, targets, info.names, batches.train.to_pixels)}, 0)
                 counts += normalizers
 
-                # The optimizer step, and the scheduler's with it (both skipped where GradScaler finds inf
-                # gradients); the average follows the steps taken. The rate is a host number: no sync.
+                # The step, the schedule's after it only if it happened (fp16: skipped on inf); no sync
                 rate = optimizer.param_groups[0]["lr"]  # this step's, logged at the log point
                 if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
                     progress.averaged += 1
@@ -154,8 +136,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 progress.step += 1
                 progress.batch += len(window)
 
-                # Log points (every log_every steps, and the epoch's last) are the only place the loop
-                # reads the device: the loss since the last one, and the divergence check on it.
+                # Log points, every log_every steps and at the epoch's end: the only reads of the device
                 log_point = progress.step % cfg.log_every == 0 or progress.batch == info.batches
                 if log_point:
                     train_loss = (torch.stack(losses).sum() / sum(counts)).item()
@@ -187,10 +168,9 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt; summary.
     in_sync = process.agree(model) and (not ema or process.agree(ema.average))
     val = val or evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # resumed at its end
-    test = None
-    if batches.test is not None:  # after agree(): best.pt's weights replace these
-        load_best(evaluated, out_dir / "best.pt", process)
-        test = evaluate(evaluation, batches.test, task, cfg, info, amp_dtype, process)
+    test = None if batches.test is None else evaluate(  # after agree(): best.pt's weights replace these
+        load_best(evaluated, evaluation, out_dir / "best.pt", process), batches.test, task, cfg, info,
+        amp_dtype, process)
     logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
     summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
         "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "world_size": process.world_size,
@@ -203,7 +183,8 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     """The data of cfg.dataset, checked against the task, and the model built for it, checked against both
     (two examples through it and the loss): what train() trains, lr_find.py sweeps and evaluate.py measures.
     `shard`: this process's rank, of how many; `fresh`: the model starts from --pretrained or --init-from
-    weights, where a resume or evaluation loads its own."""
+    weights, where a resume or evaluation loads its own. --seed first: a fork's data may draw."""
+    checkpoints.seed_rngs(cfg.seed)
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
                                   needs=input_needs(cfg.model, cfg.pretrained),
@@ -211,6 +192,21 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
     info.notes.append(check_model(model, batches.train, task, cfg, info))
     return batches, info, model
+
+
+def averaged(model: torch.nn.Module, decay: float):
+    """--ema: an exponential moving average of the weights (machinery/precision.py)."""
+    from machinery.precision import Ema
+
+    return Ema(model, decay)
+
+
+def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, notes: list, process) -> tuple:
+    """--compile: the training and the evaluation forward, each compiled once (machinery/precision.py)."""
+    from machinery.precision import compile_model
+
+    return compile_model(model, evaluated, cfg.compile, process.device, notes=notes, accum_steps=cfg.accum_steps,
+                         batch_size=cfg.batch_size // process.world_size)
 
 
 def auto_lr(cfg: Config, task) -> float:
@@ -225,22 +221,26 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
     def steps(epochs: float) -> int:
         return epochs_to_steps(epochs, batches_per_epoch, cfg.accum_steps)
 
-    total, warmup = steps(cfg.epochs), steps(cfg.warmup_epochs)
-    if warmup >= total:
-        raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
-                        "lower it")
-    options = {"onecycle": dict(pct_start=safe_pct_start(cfg.pct_start, total), div_factor=cfg.div_factor,
-                                final_div_factor=cfg.final_div_factor),
-               "step": dict(step_size=max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1),
-                            gamma=cfg.gamma),
-               "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}.get(cfg.schedule, {})
-    if cfg.schedule != "onecycle":  # its warm phase is pct_start
-        options["warmup_steps"] = warmup
+    total = steps(cfg.epochs)
+    options = dict(pct_start=safe_pct_start(cfg.pct_start, total), div_factor=cfg.div_factor,
+                   final_div_factor=cfg.final_div_factor) if cfg.schedule == "onecycle" else (
+        warm_options(cfg, steps, total))  # onecycle's warm phase is pct_start
     try:
         return build_scheduler(optimizer, cfg.schedule, total, **options), total
     except ValueError as err:  # schedules.py checks its inputs; here that is a config problem
         raise UserError(f"the {cfg.schedule} schedule does not fit this run of {total} optimizer "
                         f"steps: {err}; change its options or --epochs") from None
+
+
+def warm_options(cfg: Config, steps, total: int) -> dict:
+    """The options of the schedules that take a linear warmup (constant, warmup, step, cosine), in steps."""
+    warmup = steps(cfg.warmup_epochs)
+    if warmup >= total:
+        raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
+                        "lower it")
+    options = {"step": dict(step_size=max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1), gamma=cfg.gamma),
+               "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}.get(cfg.schedule, {})
+    return {**options, "warmup_steps": warmup}
 
 
 def step_weight(counts: list, process, weights: dict) -> torch.Tensor:
@@ -270,12 +270,13 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
     return tally.result(across)
 
 
-def load_best(evaluated: torch.nn.Module, path: Path, process) -> None:
-    """best.pt's weights (its --ema average where it has one) into the evaluated model, in place: read by
-    rank 0 and shared with every rank."""
+def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Path, process) -> torch.nn.Module:
+    """best.pt's weights (its --ema average where it has one) into the evaluated model, in place, read by rank
+    0 and shared with every rank; what evaluation calls."""
     if process.rank == 0:
         evaluated.load_state_dict(checkpoints.weights_of(checkpoints.load_checkpoint(path)))
     process.share(evaluated.state_dict().values())
+    return evaluation
 
 
 def main() -> None:

@@ -1,9 +1,7 @@
-"""Batches on the training device. The common case: each split one input tensor and one target tensor, held
-on the device and served in whole batches (DeviceBatches, airbench-style); image inputs (uint8 [N, C, H, W])
-are cropped, flipped and normalized there, a batch at a time. Each epoch's order and crops come from a
-(seed, epoch) generator: a resumed run or a torchrun rank sees what it would have. Everything else (several
-inputs, host memory, files read by workers, targets that move with crops) is machinery/served.py's, chosen
-at setup (build_loaders)."""
+"""Batches on the training device, in the common case: one input tensor and one target tensor a split, held on
+the device and served in whole batches (airbench-style), images (uint8 [N, C, H, W]) cropped, flipped and
+normalized there. Each epoch's order and crops come from a (seed, epoch) generator: a resumed run or a
+torchrun rank sees what it would have. Other data is served by served.py, chosen at setup (build_loaders)."""
 
 from __future__ import annotations
 
@@ -38,13 +36,12 @@ class DataInfo:
         return {"train_size": self.train_size, "val_size": self.val_size, "test_size": self.test_size}
 
     def data_record(self) -> dict:
-        """What a checkpoint records of the data: what a resume checks (the sizes, the batches that fix the
-        schedule, the outputs' names, the files) and the training images' digests, which evaluate.py reads."""
+        """What a checkpoint keeps of the data: what a resume checks, and the digests evaluate.py reads."""
         return {**self.sizes(), "batches": self.batches, "names": self.names, "files": self.files,
                 "train_digests": (self.digests or {}).get("train")}
 
     def inputs_record(self) -> dict:
-        """What a checkpoint records of the inputs, for evaluate.py (--predict, load_trained)."""
+        """What a checkpoint keeps of the inputs, for evaluate.py (--predict, load_trained)."""
         dtype = str(self.input_dtype).removeprefix("torch.")
         return {"shape": list(self.input_shape), "dtype": dtype, "reading": self.reading,
                 **({"members": self.members} if self.members else {})}
@@ -75,8 +72,8 @@ class ImageSteps:
 
     def scale_shift(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """x * scale - shift normalizes 0..255 pixels, per channel."""
-        return (1 / (255 * self.std)).view(1, -1, 1, 1).to(device), (self.mean / self.std).view(1, -1, 1, 1).to(
-            device)
+        scale, shift = 1 / (255 * self.std), self.mean / self.std
+        return scale.view(1, -1, 1, 1).to(device), shift.view(1, -1, 1, 1).to(device)
 
 
 @dataclass(frozen=True)
@@ -95,9 +92,8 @@ class Serving:
 def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = False,
                shard: tuple[int, int] = (0, 1), class_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's training order, crop offsets and flips for an epoch, drawn for the whole dataset from one
-    (seed, epoch) generator, then sharded as DistributedSampler shards (`shard`: rank, of how many).
-    `class_ids` (--balance-classes): n draws with replacement, each class equally likely."""
+    """This rank's training order, crop offsets and flips for an epoch, drawn for all from one (seed, epoch)
+    generator, then sharded as DistributedSampler does; `class_ids` (--balance-classes): each class as likely."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if class_ids is not None:
         per_class = torch.bincount(class_ids).double()
@@ -113,8 +109,8 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
             fill: int = 0) -> torch.Tensor:
-    """Random crop after padding with `fill`, then flip, of a batch [N, C, H, W] (or per-pixel targets
-    [N, H, W]): one gather of each pixel's index in its padded image; no device reads."""
+    """Random crop after padding with `fill`, then flip, of [N, C, H, W] images (or [N, H, W] targets): one
+    gather of each pixel's index in its padded image; no device reads."""
     if images.ndim == 3:
         return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
     n, c, h, w = images.shape
@@ -129,9 +125,8 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 
 class DeviceBatches:
-    """A split held on the device as one input tensor and one target tensor, served in whole batches:
-    `epoch(e, start)` yields this rank's batches of epoch e from batch `start` (training drops a partial last
-    one). `image`: the image steps (None: inputs pass as they are); `class_ids`: --balance-classes' draws."""
+    """A split on the device, one input tensor and one target tensor: `epoch(e, start)` yields this rank's
+    batches of epoch e from `start` (training drops a partial last one). `image`: None for no images."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, serving: Serving, *, train: bool,
                  image: ImageSteps | None = None, class_ids: torch.Tensor | None = None):
@@ -146,6 +141,9 @@ class DeviceBatches:
         n, size, ranks = self.num_examples, self.serving.batch_size, self.serving.world_size
         return n // ranks // size if self.train else -(-len(range(self.serving.rank, n, ranks)) // size)
 
+    def __iter__(self):
+        return self.epoch(0)
+
     def epoch(self, epoch: int, start: int = 0):
         s, size = self.serving, self.serving.batch_size
         if not self.train:  # in order, each rank its shard
@@ -158,10 +156,10 @@ class DeviceBatches:
         order, offsets, flips = order.to(self.device), offsets.to(self.device), flips.to(self.device)
         for i in range(start, len(self)):
             window = slice(i * size, (i + 1) * size)
-            inputs = self.inputs[order[window]]
-            if pad or flip:
-                inputs = augment(inputs, offsets[window], flips[window], pad)
-            yield self.prepared(inputs), self.targets[order[window]]
+            rows = order[window]
+            inputs = self.inputs[rows] if not (pad or flip) else augment(
+                self.inputs[rows], offsets[window], flips[window], pad)
+            yield self.prepared(inputs), self.targets[rows]
 
     def prepared(self, inputs: torch.Tensor) -> torch.Tensor:
         """A batch as the model takes it: images float32 (resized to the model's size), normalized."""
@@ -174,12 +172,11 @@ class DeviceBatches:
         return inputs.mul_(self.scale).sub_(self.shift)
 
     def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split's first n examples as the model gets them, unaugmented: the start-up check's batch."""
+        """The first n examples as the model gets them, unaugmented: the start-up check's batch."""
         return self.prepared(self.inputs[:n]), self.targets[:n]
 
     @property
-    def to_pixels(self):
-        """A function: a batch as the model gets it, back to images in [0, 1] to look at; None: no images."""
+    def to_pixels(self):  # a batch as the model gets it, back to images in [0, 1] to look at; None: no images
         return self.denormalize if self.image else None
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -193,13 +190,13 @@ class DeviceBatches:
         """The first n examples' inputs as held, before any step, on the CPU (what --export takes)."""
         return self.inputs[:n].cpu()
 
-    def close(self) -> None:
-        """Nothing to stop: no workers."""
+    def close(self) -> None:  # no workers to stop
+        return
 
 
 @dataclass
 class Splits:
-    """Each split's batches (test: None where the data has none); closing them stops any workers."""
+    """Each split's batches (test: None where there is none); closing them stops any workers."""
 
     train: DeviceBatches
     val: DeviceBatches
@@ -216,35 +213,26 @@ class Splits:
 
 def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs,
                   shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
-    """Train, val and test batches of a dataset entry's `source` (data.Source) for this process (`shard`: its
-    rank, of how many), the targets read and checked as the task takes them (`targets`: task.TARGETS; moved
-    with crops by `follow`, task.augmented_targets), images fitted to what the model needs (`needs`)."""
-    splits = contract.checked_sizes(cfg, source, shard[1])
-    plain = all(isinstance(pair, tuple) and all(isinstance(t, torch.Tensor) for t in pair) for pair in
-                splits.values()) and follow is None and on_device(cfg.loader, splits, device)
-    if not plain:  # several inputs, a Dataset, host memory, targets that move: served.py's
+    """Train, val and test batches of `source` (data.Source) for this process (`shard`: its rank, of how many),
+    their targets checked as the task takes them (`targets`: task.TARGETS; moved with crops by `follow`,
+    task.augmented_targets), images fitted to what the model `needs`."""
+    splits, spec = contract.checked_sizes(cfg, source, shard[1]), None
+    plain = follow is None and all(isinstance(pair, tuple) and all(isinstance(t, torch.Tensor) for t in pair)
+                                   for pair in splits.values()) and on_device(cfg.loader, splits, device)
+    example = splits["train"][0][0] if plain else None
+    image = plain and example.dtype == torch.uint8 and example.ndim == 3
+    if plain:  # the targets' check; per-pixel ones are those of the images' (H, W)
+        spec, said = contract.check_splits(splits, list(source.names), targets, example.shape[-2:] if image
+                                           else None, None)
+    if not plain or spec.dense:  # several inputs, a Dataset, host memory, targets that move: served.py's
         from machinery.served import build_served
 
-        return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow)
-    example = splits["train"][0][0]
-    image = example.dtype == torch.uint8 and example.ndim == 3
-    spec, checked = contract.check_splits(splits, list(source.names), targets, example.shape[-2:] if image
-                                          else None, None)
-    if spec.dense:  # per-pixel targets move with their crops
-        from machinery.served import build_served
-
-        return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard,
-                            checked=(splits, spec, checked))
-    notes, steps = list(source.notes), None
-    if image:
-        steps = image_steps(cfg, source, splits["train"][0], needs, notes)
-        notes.append(contract.image_steps_note(steps, spec, cfg))
-    else:
-        shown = f"{list(example[None].shape)} {str(example.dtype).removeprefix('torch.')}"
-        contract.check_image_model(cfg, needs, shown)
-        contract.refuse_crops(cfg, source, shown)
-        notes.append(contract.not_images_note("the inputs are", shown))
-    notes.append(checked)
+        return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow,
+                            checked=spec and (splits, spec, said))
+    notes = list(source.notes)
+    steps = image_steps(cfg, source, splits["train"][0], needs, notes) if image else None
+    notes += [contract.image_steps_note(steps, spec, cfg) if image else contract.plain_inputs(cfg, source, needs,
+                                                                                              example), said]
     contract.check_balance(cfg, spec)
     serving = Serving(cfg.batch_size // shard[1], device, cfg.seed, *shard)
     served = {split: DeviceBatches(inputs.to(device), labels.to(device), serving, train=split == "train",
@@ -254,11 +242,10 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     reading = steps and {"size": example.shape[-1], "resize": steps.resize, "channels": example.shape[0],
                          "mean": steps.mean.tolist(), "std": steps.std.tolist()}
     shape = (example.shape[0], steps.resize, steps.resize) if steps and steps.resize else tuple(example.shape)
-    counts = None if spec.class_counts is None else spec.class_counts.to(device)
     info = DataInfo(input_shape=shape, input_dtype=torch.float32 if image or example.is_floating_point() else
-                    example.dtype, names=list(source.names), class_counts=counts, images=image, notes=notes,
-                    loader=f"device-resident tensors on {device.type}", reading=reading,
-                    batches=len(served["train"]),
+                    example.dtype, names=list(source.names), images=image, notes=notes, reading=reading,
+                    class_counts=None if spec.class_counts is None else spec.class_counts.to(device),
+                    loader=f"device-resident tensors on {device.type}", batches=len(served["train"]),
                     **{f"{split}_size": batches.num_examples for split, batches in served.items()})
     return Splits(served["train"], served["val"], served.get("test")), info
 

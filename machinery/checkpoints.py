@@ -1,6 +1,5 @@
-"""The checkpoint: written atomically (files.py), loaded with weights_only=True; the RNG states it keeps;
-the task it was trained for. What it holds is the dict train.py builds where it saves; a resume reads it
-back in resume.py."""
+"""The checkpoint: written atomically, loaded with weights_only=True; the RNG states and the task it keeps.
+What it holds is the dict train.py builds where it saves; resume.py reads it back."""
 
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def refused(path: Path, err: pickle.UnpicklingError) -> UserError:
 
 
 def weights_of(state: dict) -> dict:
-    """The state_dict in a checkpoint of ours (the --ema average where it holds one, else "model"), a
-    Lightning-style one ("state_dict") or a plain one, without the `module.` and `_orig_mod.` prefixes
-    DDP and torch.compile add."""
+    """A checkpoint's state_dict (ours: the --ema average, else "model"; Lightning's; a plain one), without
+    the `module.` and `_orig_mod.` prefixes DDP and torch.compile add."""
     weights = state.get("ema") or state.get("model", state.get("state_dict", state))
     if not isinstance(weights, dict):
         raise UserError("the checkpoint holds no state_dict (a dict of tensors)")
@@ -71,8 +69,7 @@ def all_finite(tensors) -> bool:
 
 
 def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse at start-up where out_dir's disk cannot hold last.pt: the weights and the optimizer's copies
-    of them (SGD's momentum, Adam's two moments)."""
+    """Refused at start-up: a disk that cannot hold last.pt, the weights and the optimizer's copies of them."""
     copies = 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum", 0)))
     needed = sum(t.nbytes for t in model.state_dict().values()) * (1 + copies)
     free = free_bytes(out_dir)
@@ -88,8 +85,7 @@ def _tensor_bytes(value) -> int:
 
 
 def unlogged(losses: list, counts: list) -> dict:
-    """The losses since the last log point and their normalizers: a run resumed between two log points
-    logs the mean an uninterrupted run logs."""
+    """The losses since the last log point, and their normalizers: a resume logs the mean they make."""
     return {"losses": torch.stack(losses).cpu() if losses else None,
             "counts": [count.cpu() if isinstance(count, torch.Tensor) else count for count in counts]}
 
@@ -98,8 +94,7 @@ def unlogged(losses: list, counts: list) -> dict:
 
 
 def capture_rng_state() -> dict:
-    """Every global RNG a step may draw from, as tensors and plain values (weights_only loads them). CUDA:
-    this process's GPU's; under torchrun every rank's is rank 0's, which its checkpoint keeps."""
+    """Every global RNG a step may draw from, as tensors and plain values; CUDA: this process's GPU's."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
@@ -111,8 +106,7 @@ def capture_rng_state() -> dict:
 
 
 def seed_rngs(seed: int) -> None:
-    """--seed for torch (CPU and every GPU), numpy and Python's random: a fork's augmentation may draw
-    from any of them."""
+    """--seed for torch (CPU and every GPU), numpy and Python's random: a fork may draw from any."""
     torch.manual_seed(seed)
     random.seed(seed)
     if (np := sys.modules.get("numpy")) is not None:
@@ -137,8 +131,7 @@ def restore_rng_state(state: dict) -> None:
 
 
 def task_identity(task) -> dict:
-    """The task a sweep or checkpoint was made for: its name, and a hash of its source (an edited loss is
-    another task)."""
+    """A task's name, and a hash of its source: an edited loss is another task."""
     return {"name": task.NAME, "source": hashlib.sha256(inspect.getsource(task).encode()).hexdigest()[:16]}
 
 

@@ -10,6 +10,8 @@ task.TARGETS says what the task's loss takes:
 Targets whose last two dimensions are the images' height and width are dense: crops and flips move them,
 and a crop's padding gets IGNORE_INDEX, which the loss and metrics skip. One class id or one row of values
 per example stays as it is; others (boxes) follow crops and flips only by task.augmented_targets.
+
+Each check reads in a line or two; the line it ends with, when it fails, is built below, under "refusals".
 """
 
 from __future__ import annotations
@@ -40,25 +42,22 @@ class Targets:
 
 
 def checked_sizes(cfg: Config, source, world_size: int) -> dict:
-    """The Source's splits by name, none empty (an empty val split trained an epoch, then divided by zero),
-    and a batch that divides over the processes."""
+    """The Source's splits by name, none empty, and a batch that divides over the processes."""
     if cfg.batch_size % world_size:
         raise UserError(f"batch_size {cfg.batch_size} must divide evenly over {world_size} processes")
-    splits = {split: examples for split, examples in (("train", source.train), ("val", source.val),
-                                                      ("test", source.test)) if examples is not None}
+    splits = {"train": source.train, "val": source.val, "test": source.test}
+    splits = {split: examples for split, examples in splits.items() if examples is not None}
     for split, examples in splits.items():
         if (_rows(examples[0]) if isinstance(examples, tuple) else len(examples)) == 0:
-            skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
-            raise UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
-                            "dataset entry in data.py, or the files in --data-dir)")
+            raise empty_split(cfg, source, split)  # an empty val split trained an epoch, then divided by 0
     return splits
 
 
 def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None,
                  collate: Callable | None) -> tuple[Targets, str]:
-    """Each split's targets read as the task takes them (`splits`: name to an (inputs, targets) pair,
-    converted in place, or a Dataset whose first example `collate` batches alone) and checked; returns what
-    was found, and a line saying what was checked. `image_size`: the images' (H, W); None: no images."""
+    """Each split's targets read as the task takes them and checked (`splits`: name to an (inputs, targets)
+    pair, converted in place, or a Dataset whose first example `collate` batches alone; `image_size`: the
+    images' (H, W), or None); what was found, and the line that says so."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
     checked = []
@@ -69,7 +68,8 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
         if isinstance(pair, tuple):  # tensors: converted once here, checked whole
             _check_finite(split, pair[0], targets)
             splits[split] = (pair[0], targets)
-        _check_values(targets, kind, len(names), split)
+        if kind == "classes":
+            _check_classes(targets, len(names), split)
         checked.append(f"{_rows(targets)} {split}" if whole else f"{split}'s first")
         if split == "train":  # dense: one target per pixel, its last two dimensions the images' (H, W)
             dense = kind != "any" and image_size is not None and tuple(targets[0].shape[-2:]) == tuple(
@@ -86,19 +86,16 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
 
 
 def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
-    """The split's first two examples through the model (eval mode, no gradients: nothing it holds changes),
-    then through the task's loss: a forward that fails, outputs that do not fit the targets, or a loss that
-    is not one number is one line naming them. Returns what was seen."""
+    """The split's first two examples through the model (eval mode, no gradients: nothing in it changes),
+    then through the task's loss; what was seen."""
     inputs, targets = batches.first(2)
-    given = _described(inputs)
-    training = model.training
+    given, training = _described(inputs), model.training
     model.eval()
     try:
         with torch.no_grad():
             outputs = model(inputs)
     except Exception as err:  # any layer's complaint: wrong channels, dtype, rank, size
-        raise UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first_line(err)}; "
-                        "add a model for these inputs to MODELS in models.py and pass --model NAME") from None
+        raise model_refused(cfg, given, err) from None
     finally:
         model.train(training)
     if not isinstance(outputs, torch.Tensor):
@@ -106,19 +103,12 @@ def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
     shape, kind = list(outputs.shape), task.TARGETS
     want = [shape[0], *shape[2:]] if kind == "classes" else shape
     if kind != "any" and not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
-        each = "a class id per example (or per position)" if kind == "classes" else "one value per output"
-        raise UserError(f"the model {cfg.model} gives outputs {shape} for {given} inputs, and the targets "
-                        f"are {list(targets.shape)}: the task takes {each}, {len(info.names)} outputs (one "
-                        "per name in the dataset's Source); make the model's outputs or the targets fit")
+        raise outputs_misfit(cfg, (given, shape, list(targets.shape)), kind, len(info.names))
     loss = task.loss(outputs.float(), targets, cfg, info)
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
-        what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's "
-                        "summed loss (normalizer() says what it is divided by)")
+        raise loss_not_a_number(loss)
     if kind == "any" and not torch.isfinite(loss):  # the task reads them as it likes: the loss is the check
-        raise UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, "
-                        f"{_described(targets)} targets): with TARGETS = \"any\" that is the check, so make "
-                        "the loss read these targets")
+        raise loss_not_finite(loss, shape, _described(targets))
     return f"{cfg.model} takes {given} and gives {shape}"
 
 
@@ -137,51 +127,30 @@ def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
 def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> str:
     """Which image steps training batches get and how the targets follow them, said at start-up; a crop or
     flip that the targets cannot follow is refused."""
-    if targets.dense and image.resize:
-        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
-                        "targets cannot be resized with the images: give the dataset images of that size, or "
-                        "use a model that takes these")
-    if targets.dense and image.pad and targets.kind == "values" and not targets.follow:
-        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
-                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
-                        "dataset's Source")
+    if targets.dense:
+        check_dense(image, targets, cfg)
     if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.per_example):
-        what = ('TARGETS = "any" targets' if targets.kind == "any" else
-                f"{targets.kind} targets that are neither one per example nor one per pixel")
-        raise UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), "
-                        f"and the template cannot move {what} with them: define augmented_targets(targets, "
-                        "shifts, flips, size) in task.py (docs/your_data.md), set pad=0 and flip=False in "
-                        "the dataset's Source, or pass --no-augment")
+        raise unmovable(image, targets, cfg)
     steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
         ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
         else [])
     if not steps:
-        why = "--no-augment" if not cfg.augment else f"none for {cfg.dataset}"
-        return f"images{which}: no crop or flip ({why})"
+        return f"images{which}: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
     moved = ("; the targets follow them by task.py's augmented_targets" if targets.follow else
              "; the per-pixel targets move with them" if targets.dense else "")  # one per example: they stay
     return f"images{which}: {' and '.join(steps)} on training batches{moved}"
 
 
-def refuse_crops(cfg: Config, source, shown: str) -> None:
-    """A Source's crops and flips of inputs that are no uint8 images: which axes of a [C, T, H, W] clip
-    would a crop take?"""
-    if (source.pad or source.flip) and cfg.augment:
-        raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
-                        f"{source.flip}), and its inputs are {shown} tensors, not uint8 [C, H, W] images: the "
-                        "template does not know which axes to crop; set pad=0 and flip=False in its Source "
-                        "(augment in the dataset), or pass --no-augment")
+def plain_inputs(cfg: Config, source, needs, example: torch.Tensor) -> str:
+    """The note for one input tensor that is no image; a torchvision model or crops of it are refused."""
+    shown = f"{list(example[None].shape)} {_dtype(example)}"
+    check_image_model(cfg, needs, shown)
+    refuse_crops(cfg, source, shown)
+    return not_images_note("the inputs are", shown)
 
 
 def not_images_note(what: str, shown: str) -> str:
     return f"{what} {shown} tensors, not uint8 images: no crop, flip, normalization or channels_last"
-
-
-def check_image_model(cfg: Config, needs, shown: str) -> None:
-    """A torchvision image model takes one image tensor."""
-    if needs.size:
-        raise UserError(f"{cfg.model} is a torchvision image model, which takes one image tensor, and "
-                        f"{cfg.dataset}'s inputs are {shown}; add a model of yours to MODELS in models.py")
 
 
 def check_balance(cfg: Config, spec: Targets) -> None:
@@ -201,8 +170,7 @@ def epoch_checks(cfg: Config, train, world_size: int) -> list[str]:
 
 def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:
     """What an epoch of `n` training examples trains where some sit out of it (the partial last batch is
-    dropped: --compile's shapes stay static, BatchNorm never sees a batch of one), and a --batch-size that
-    leaves fewer out."""
+    dropped: --compile's shapes stay static, BatchNorm never sees a batch of one), and a better --batch-size."""
     per_rank, local = n // world_size, batch_size // world_size
     batches, whole = per_rank // local, -(-per_rank // local)  # full batches; batches that take them all
     if not (out := n - batches * batch_size):
@@ -222,24 +190,21 @@ def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> st
 
 def _read_as(targets, kind: str, outputs: int, split: str):
     """Targets in the dtype and shape the task takes, or one line saying why they cannot be."""
-    parts = list(targets.values()) if isinstance(targets, Mapping) else list(targets) if isinstance(
-        targets, tuple) else []
-    if parts and all(isinstance(t, torch.Tensor) for t in parts):  # several tensors
+    if isinstance(targets, Mapping | tuple) and targets and all(
+            isinstance(t, torch.Tensor) for t in (targets.values() if isinstance(targets, Mapping) else targets)):
         return _several_targets(targets, kind, split)
     targets = torch.as_tensor(targets)
-    if kind == "classes":
-        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-            raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give "
-                            "the dataset integer class ids (or set TARGETS = \"values\" in task.py)")
-    elif kind == "values" and targets.ndim == 1 and outputs != 1:
-        raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
-                        f"Source), and the {split} targets are {list(targets.shape)}: one each")
+    if kind == "classes" and (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool):
+        raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give the "
+                        "dataset integer class ids (or set TARGETS = \"values\" in task.py)")
+    if kind == "values" and targets.ndim == 1 and outputs != 1:
+        raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's Source), "
+                        f"and the {split} targets are {list(targets.shape)}: one each")
     return as_taken(targets, kind)
 
 
 def _several_targets(targets, kind: str, split: str):
-    """A tuple or dict of tensors (boxes and their labels, say): "any" takes them so, each a row per
-    example."""
+    """A tuple or dict of tensors (boxes and their labels, say): "any" takes them so, each a row per example."""
     if kind != "any":
         wanted = "class ids" if kind == "classes" else "values"
         raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(targets)} tensors, and the "
@@ -258,9 +223,8 @@ def _first_targets(dataset, collate: Callable):
 
 def _check_finite(split: str, inputs, targets) -> None:
     """Each input tensor and the targets: a row per example, finite numbers."""
-    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
-        tensors = [("inputs", inputs), ("targets", targets)]
-    else:
+    tensors = [("inputs", inputs), ("targets", targets)]
+    if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
         from machinery.inputs import members, named
 
         tensors = [(named(key), t) for key, t in members(inputs).items()] + [
@@ -270,27 +234,16 @@ def _check_finite(split: str, inputs, targets) -> None:
             raise UserError(f"the {split} {what} hold {len(t)} rows and the targets {_rows(targets)}: give "
                             "each input one row per example")
         if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
-            bad = (~finite).reshape(len(t), -1).any(1)  # per example: any non-finite value
-            raise UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(t)} examples "
-                            f"(the first: {bad.nonzero()[0].item()}): clean or drop them in the dataset")
+            raise not_finite(split, what, finite)
 
 
-def _check_values(targets: torch.Tensor, kind: str, classes: int, split: str) -> None:
+def _check_classes(targets: torch.Tensor, classes: int, split: str) -> None:
     """Class ids in [0, classes) (dense ones may be IGNORE_INDEX)."""
-    if kind != "classes":
-        return
     ok = (targets >= 0) & (targets < classes)
     if targets.ndim > 1:
         ok |= targets == IGNORE_INDEX
     if not ok.all():
-        values, counts = targets[~ok].unique(return_counts=True)
-        bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(),
-                                                           strict=False))
-        one_based = targets.min() == 1 and targets.max() == classes
-        hint = (f"; they look like 1..{classes}: subtract 1" if one_based
-                else "; one name per class in the dataset's Source, ids counted from 0")
-        raise UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
-                        f"{' and more' if len(values) > SHOWN else ''}{hint}")
+        raise outside_classes(targets, ok, classes, split)
 
 
 def _rows(x) -> int:
@@ -311,3 +264,90 @@ def _described(x) -> str:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- refusals: the line a failed check ends with
+
+
+def empty_split(cfg: Config, source, split: str) -> UserError:
+    skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
+    return UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its dataset "
+                     "entry in data.py, or the files in --data-dir)")
+
+
+def model_refused(cfg: Config, given: str, err: Exception) -> UserError:
+    return UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first_line(err)}; add a "
+                     "model for these inputs to MODELS in models.py and pass --model NAME")
+
+
+def outputs_misfit(cfg: Config, shapes: tuple, kind: str, outputs: int) -> UserError:
+    given, shape, targets = shapes
+    each = "a class id per example (or per position)" if kind == "classes" else "one value per output"
+    return UserError(f"the model {cfg.model} gives outputs {shape} for {given} inputs, and the targets are "
+                     f"{targets}: the task takes {each}, {outputs} outputs (one per name in the dataset's "
+                     "Source); make the model's outputs or the targets fit")
+
+
+def loss_not_a_number(loss) -> UserError:
+    what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+    return UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's summed "
+                     "loss (normalizer() says what it is divided by)")
+
+
+def loss_not_finite(loss: torch.Tensor, shape: list, targets: str) -> UserError:
+    return UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, {targets} "
+                     "targets): with TARGETS = \"any\" that is the check, so make the loss read these targets")
+
+
+def not_finite(split: str, what: str, finite: torch.Tensor) -> UserError:
+    bad = (~finite).reshape(len(finite), -1).any(1)  # per example: any non-finite value
+    return UserError(f"the {split} {what} hold nan or inf in {int(bad.sum())} of {len(finite)} examples (the "
+                     f"first: {bad.nonzero()[0].item()}): clean or drop them in the dataset")
+
+
+def outside_classes(targets: torch.Tensor, ok: torch.Tensor, classes: int, split: str) -> UserError:
+    values, counts = targets[~ok].unique(return_counts=True)
+    bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(), strict=False))
+    one_based = targets.min() == 1 and targets.max() == classes
+    hint = (f"; they look like 1..{classes}: subtract 1" if one_based
+            else "; one name per class in the dataset's Source, ids counted from 0")
+    return UserError(f"the {split} targets hold class ids outside [0, {classes}): {bad}"
+                     f"{' and more' if len(values) > SHOWN else ''}{hint}")
+
+
+def check_dense(image, targets: Targets, cfg: Config) -> None:
+    """Per-pixel targets cannot be resized with their images, and per-pixel values have no padding value."""
+    if image.resize:
+        raise UserError(f"{cfg.model} takes {image.resize}x{image.resize} px inputs, and the per-pixel "
+                        "targets cannot be resized with the images: give the dataset images of that size, or "
+                        "use a model that takes these")
+    if image.pad and targets.kind == "values" and not targets.follow:
+        raise UserError("a random crop pads the images, and per-pixel values have none that counts for "
+                        "nothing (class ids get IGNORE_INDEX): pass --no-augment, or set pad=0 in the "
+                        "dataset's Source")
+
+
+def unmovable(image, targets: Targets, cfg: Config) -> UserError:
+    what = ('TARGETS = "any" targets' if targets.kind == "any" else
+            f"{targets.kind} targets that are neither one per example nor one per pixel")
+    return UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), and the "
+                     f"template cannot move {what} with them: define augmented_targets(targets, shifts, flips, "
+                     "size) in task.py (docs/your_data.md), set pad=0 and flip=False in the dataset's Source, "
+                     "or pass --no-augment")
+
+
+def refuse_crops(cfg: Config, source, shown: str) -> None:
+    """A Source's crops and flips of inputs that are no uint8 images: which axes of a [C, T, H, W] clip
+    would a crop take?"""
+    if (source.pad or source.flip) and cfg.augment:
+        raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
+                        f"{source.flip}), and its inputs are {shown} tensors, not uint8 [C, H, W] images: the "
+                        "template does not know which axes to crop; set pad=0 and flip=False in its Source "
+                        "(augment in the dataset), or pass --no-augment")
+
+
+def check_image_model(cfg: Config, needs, shown: str) -> None:
+    """A torchvision image model takes one image tensor."""
+    if needs.size:
+        raise UserError(f"{cfg.model} is a torchvision image model, which takes one image tensor, and "
+                        f"{cfg.dataset}'s inputs are {shown}; add a model of yours to MODELS in models.py")

@@ -22,8 +22,7 @@ FIXES = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
 
 
 def write_atomic(path: str | Path, write: Callable, size: Callable[[], int]) -> None:
-    """`write(file)` into a temporary file beside `path`, then fsync and rename; `size()` is what it
-    needed, said if it fails."""
+    """`write(file)` into a temporary file beside `path`, then fsync and rename; `size()`: what it needs."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -61,8 +60,7 @@ def write_json_atomic(path: str | Path, value) -> None:
 
 @contextlib.contextmanager
 def reporting_write_errors(path: str | Path, label: str | None = None):
-    """Turn an OSError inside the block (say, from a TensorBoard writer) into one UserError line,
-    naming `label`, else the file that failed, else `path`."""
+    """An OSError in the block (a TensorBoard writer's, say) as one line naming `label` or the file."""
     try:
         yield
     except OSError as err:
@@ -83,7 +81,7 @@ def write_error(path: str | Path, err: OSError, size: int | None = None,
 
 
 class _ErrorKeeper:
-    """torch.save reports an OSError from write() as a RuntimeError without its errno; keep it."""
+    """torch.save reports an OSError from write() as a RuntimeError without its errno: keep it."""
 
     def __init__(self, file):
         self.file, self.flush, self.error = file, file.flush, None

@@ -38,11 +38,15 @@ def each(fn: Callable, inputs):
 
 def take(inputs, index):
     """The rows `index` (a slice, or a tensor of positions) of every member."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs[index]
     return each(lambda _, t: t[index], inputs)
 
 
 def joined(parts: list):
     """Several batches' inputs as one, row after row (torch.cat member by member)."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
     return each(lambda key, _: torch.cat([members(part)[key] for part in parts]), parts[0])
 
 

@@ -25,16 +25,12 @@ METRICS_COLUMNS = ("step", "tag", "value", "wall_time")
 
 
 class Logs(contextlib.AbstractContextManager):
-    """Rank 0's logs of a run, in the sinks --log-to names, the same points at the same log points (with
-    `active` False, on the other ranks, every call does nothing). A failed write is one line naming out_dir;
-    on any error the files are closed quietly, keeping the curves so far (a diverged run's)."""
+    """Rank 0's logs of a run in the sinks --log-to names, the same points at the same log points (`active`
+    False, on the other ranks: nothing). A failed write is one line; on any error the files close quietly."""
 
     def __init__(self, out_dir: Path, cfg: Config, lr: float, *, resumed=None, active: bool = True):
-        """A new run first moves an earlier run's logs into a subfolder (`moved`), so the two do not draw over
-        each other; a `resumed` one drops what was logged after its checkpoint, and continues its trackers'
-        runs."""
         self.out_dir, self.active, self.trackers = out_dir, active, {}
-        self.writer = self.csv = self.moved = None
+        self.writer = self.csv = self.moved = None  # `moved`: where an earlier run's logs went
         names = cfg.log_to.split(",")
         if active and {"wandb", "mlflow"} & set(names):  # first: one that cannot start leaves no file
             from machinery import trackers
@@ -48,6 +44,7 @@ class Logs(contextlib.AbstractContextManager):
             raise
 
     def _open_files(self, names: list[str], resumed) -> None:
+        """An earlier run's logs go aside (a new run); a resumed one's past its checkpoint are dropped."""
         step = resumed and resumed.state["step"]
         with self._errors():
             earlier = sorted(self.out_dir.glob("events.out.tfevents.*"))
@@ -69,36 +66,32 @@ class Logs(contextlib.AbstractContextManager):
         return reporting_write_errors(self.out_dir, f"TensorBoard logs in {self.out_dir}")
 
     def __exit__(self, error_type, *_) -> None:
-        if error_type is None:
-            return
-        with contextlib.suppress(OSError):
-            for file in (self.writer, self.csv):
-                if file:
+        if error_type is not None:  # the run's own error is the line to say: these close quietly
+            with contextlib.suppress(OSError):
+                for file in filter(None, (self.writer, self.csv)):
                     file.close()
-        for tracker in self.trackers.values():
-            with contextlib.suppress(Exception):  # the run's own error is the line to say
-                tracker.stop()
+            for tracker in self.trackers.values():
+                with contextlib.suppress(Exception):
+                    tracker.stop()
 
     def write(self, *rows: tuple[str, int, float]) -> None:
-        """Points (tag, step, value): to the writer, whose thread writes them, to metrics.csv, to trackers."""
-        if not self.active:
-            return
-        with self._errors():
-            now = time.time()
-            for tag, step, value in rows if self.writer else ():
-                self.writer.add_scalar(tag, value, step, walltime=now)
-            if self.csv:
-                csv.writer(self.csv, lineterminator="\n").writerows(
-                    (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
-            for tracker in self.trackers.values():
-                tracker.scalars(rows)
+        """Points (tag, step, value): to the writer (whose thread writes them), metrics.csv and trackers."""
+        if self.active:
+            with self._errors():
+                now = time.time()
+                for tag, step, value in rows if self.writer else ():
+                    self.writer.add_scalar(tag, value, step, walltime=now)
+                if self.csv:
+                    csv.writer(self.csv, lineterminator="\n").writerows(
+                        (step, tag, float(value), round(now, 3)) for tag, step, value in rows)
+                for tracker in self.trackers.values():
+                    tracker.scalars(rows)
 
     def flush(self) -> None:
         """Everything so far into the files: before a save, so that the logs hold each step saved."""
         with self._errors():
-            for file in (self.writer, self.csv):
-                if file:
-                    file.flush()
+            for file in filter(None, (self.writer, self.csv)):
+                file.flush()
 
     def images(self, pictures: dict, step: int) -> None:
         """Pictures by tag, each an (H, W, 3) uint8 array; None is skipped."""
@@ -111,8 +104,8 @@ class Logs(contextlib.AbstractContextManager):
                     tracker.images(shown, step)
 
     def finish(self, hparams: dict, metrics: list[str], summary: dict) -> None:
-        """The HPARAMS tab's row (its metric columns are the run's own curves: add_hparams would write each
-        again), the trackers' summary and files, then flush and close."""
+        """The HPARAMS tab's row (its metrics: the run's own curves, which add_hparams would write again),
+        the trackers' summary and files; then flush and close."""
         if not self.active:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
@@ -198,20 +191,16 @@ def quiet_tensorboard_thread() -> None:
 # ---------------------------------------------------------------- what the loop shows
 
 
-def announce(cfg: Config, task, info, moved: Path | None) -> None:
-    """What this run's data is, once at start-up, with what was checked and changed (`moved`: where an
-    earlier run's logs went)."""
+def announce(cfg: Config, task, info, moved: Path | None, trains: tuple) -> None:
+    """What this run's data is, with what was checked and changed (`moved`: where an earlier run's logs
+    went), and what trains (`trains`: the model, the process, AMP's dtype, the rate, the steps), said once."""
     test = "" if info.test_size is None else f" / {info.test_size} test"
     inputs = info.members or "x".join(map(str, info.input_shape))  # several: each one's shape and dtype
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs {inputs}, "
         f"{len(info.names)} outputs, via {info.loader}")
     moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
     say(*filter(None, [*info.notes, task.pictures_note(info.images), moved]))
-
-
-def describe_run(cfg: Config, model, where: tuple, lr: float, total_steps: int) -> None:
-    """The line that says what trains: the model, where (the process, AMP's dtype) and how."""
-    process, amp_dtype = where
+    model, process, amp_dtype, lr, total_steps = trains
     processes = f" x{process.world_size} processes" if process.world_size > 1 else ""
     say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {process.device}"
         f"{processes}, amp {amp_dtype or 'off'}, {cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer "

@@ -112,6 +112,12 @@ class Ema:
         floats = [(a, m) for a, m in tensors if a.is_floating_point()]
         self.pairs = [a for a, _ in floats], [m for _, m in floats]  # the average's tensors, the model's
 
+    def state_dict(self) -> dict:
+        return self.average.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.average.load_state_dict(state)
+
     def update(self, updates: int) -> None:
         """After an optimizer step that happened, the `updates`-th: the average moves toward the model,
         with the decay warmed up as timm's, min(decay, (1 + n) / (10 + n)), so early weights fade fast."""

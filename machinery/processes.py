@@ -24,7 +24,7 @@ def start(device_name: str, timeout_minutes: float = 60.0, deterministic: bool =
 class Alone:
     """One process, rank 0 of 1: what Torchrun shares, sums or agrees on is already whole here."""
 
-    rank, world_size = 0, 1
+    rank, world_size, shard = 0, 1, (0, 1)  # shard: this process's part of each epoch, of how many
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -1,7 +1,5 @@
 """One --out-dir, one run: the folder is claimed before any data loads (writable, no unfinished run to
-overwrite, no other live run in it) and locked while the run lives; --resume auto starts a run there or
-continues it, one command for a first start and every restart.
-"""
+overwrite, no other live run) and locked while the run lives."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from machinery.files import write_atomic, write_error
 
 
 def resume(cfg: Config, given: dict | None, task, choices: dict):
-    """The config a run goes on with, and the checkpoint it continues (None: a new run, which enters no
-    resume code)."""
+    """The config a run goes on with, and the checkpoint it continues (None: a new run: no resume code)."""
     if not cfg.resume:
         return validate(cfg, choices), None
     from machinery.resume import load
@@ -29,9 +26,8 @@ def resume(cfg: Config, given: dict | None, task, choices: dict):
 
 
 def claim(out_dir: Path, resumed=None, process=None) -> Path:
-    """Before any data loads, by rank 0 for all (`process`, processes.py's): --out-dir can be written, holds
-    no unfinished run this one would overwrite, and no other live run; then this process owns it (lock).
-    A run `resumed` from another folder takes an empty one, with its best.pt."""
+    """--out-dir writable, with no unfinished run to overwrite and no live one, then locked, by rank 0 for all
+    (`process`); a run `resumed` from another folder takes an empty one, with its best.pt."""
     if process is None:
         _claim(out_dir, resumed)
     else:
@@ -53,8 +49,7 @@ def _claim(out_dir: Path, resumed) -> None:
 
 
 def writable(out_dir: Path) -> None:
-    """A file written and deleted proves the folder writable; the folders made for it go again, so that a
-    run that stops on another error leaves nothing behind."""
+    """A file written and deleted proves the folder writable; the folders made for it go again."""
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,8 +120,7 @@ def continue_command(out_dir: Path, world_size: int) -> str:
 
 
 def lock(out_dir: Path) -> None:
-    """out_dir/.lock for this process, released (with the folders made for it, if empty) at its exit.
-    A lock of a process that is gone (a kill -9) is taken over; one of a live run is refused."""
+    """out_dir/.lock for this process, released (and the folders made for it, if empty) at its exit."""
     path, mine = out_dir / ".lock", f"{os.getpid()} {socket.gethostname()}"
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,8 +159,7 @@ def stale(path: Path, mine: str, out_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def holding(out_dir: Path):
-    """The block during which this process's run owns out_dir: its lock (claim's) goes at the end,
-    whatever ends it; release_all() lets go of the rest (the scripts' main, and at exit)."""
+    """The block in which this run owns out_dir: its lock goes at the end, whatever ends it."""
     try:
         yield
     finally:
@@ -174,7 +167,7 @@ def holding(out_dir: Path):
 
 
 def release_all(only: Path | None = None) -> None:
-    """Remove this process's locks (or the one at `only`), and the folders made for them while empty."""
+    """This process's locks (or the one at `only`) go, and the folders made for them, if empty."""
     for path, mine, created in [h for h in _HELD if only is None or h[0] == only]:
         _HELD.remove((path, mine, created))
         with contextlib.suppress(OSError):

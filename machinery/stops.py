@@ -51,8 +51,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Signals:
-    """The process's signal handlers, and the signal received (0: none). Mode "raise" stops at once,
-    "defer" (the loop) sets the flag, "hold" (a save) lets nothing interrupt."""
+    """The signal received (0: none), and what it does: "raise" stops at once, "defer" (the loop) sets the
+    flag, "hold" (a save) lets nothing interrupt."""
 
     NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
@@ -63,8 +63,8 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self, *, program: bool = False):
-        """Our handlers for the block (nested blocks share them; only the main thread has any). At its end
-        the earlier handlers are put back and, unless this is the script run as a `program`, get the signal."""
+        """Our handlers for the block (nested blocks share them); then the earlier ones, which get the signal
+        unless the script runs as a `program` (hand_on)."""
         outermost = not self.previous and threading.current_thread() is threading.main_thread()
         if outermost:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.NAMES}
@@ -121,20 +121,18 @@ SIGNALS = Signals()  # one per process, as signal handlers are
 
 
 class Stops(contextlib.AbstractContextManager):
-    """The training loop's saves and stops. `progress` is where the run stands (train.Progress),
-    `checkpoint()` the dict a save writes, `logs` flushed before it, `process` where it runs (processes.py).
-    Inside the block a signal only sets a flag, read after each step."""
+    """The loop's saves and stops: `progress` where the run stands (train.Progress), `checkpoint()` what a save
+    writes, `logs` flushed first, `process` where it runs. In the block a signal only sets a flag."""
 
     def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], logs, process):
         self.out_dir, self.progress, self.checkpoint = out_dir, progress, checkpoint
         self.logs, self.process = logs, process
-        # what last.pt holds ("run": epoch, batch, step): a resumed run's where it resumed; None: none
-        self.saved = dataclasses.asdict(progress) if progress.part > 1 else None
+        self.saved = dataclasses.asdict(progress) if progress.part > 1 else None  # where last.pt stands
         self.step_begun = None  # the step whose forwards have begun (mid_step)
         self.signals = contextlib.ExitStack()
 
     def save(self, *, best: bool = False) -> None:
-        """last.pt, and best.pt where `best`, by rank 0; never of nan or inf weights; the logs first."""
+        """last.pt (and best.pt), by rank 0; never of nan or inf weights; the logs first."""
         state = self.checkpoint()
         if not all_finite(state["model"].values()):
             raise self.diverged("the weights hold nan or inf")
@@ -145,8 +143,7 @@ class Stops(contextlib.AbstractContextManager):
                     write_checkpoint(state, self.out_dir / name)
         self.saved = state["run"]
 
-    def begin_step(self) -> None:
-        """The step's first forward: from here until its optimizer step the state is half a step's."""
+    def begin_step(self) -> None:  # from the first forward until the optimizer step: half a step
         self.step_begun = self.progress.step
 
     @property
@@ -154,8 +151,7 @@ class Stops(contextlib.AbstractContextManager):
         return self.step_begun == self.progress.step
 
     def stop_if_signalled(self, log_point: bool) -> None:
-        """After a step: saved, then stopped, if a signal came. Under torchrun every rank must stop at the same
-        step, so they agree at log points, where the loop reads the device anyway."""
+        """After a step: saved, then stopped, if a signal came; torchrun's ranks agree at log points."""
         if (log_point or self.process.world_size == 1) and self.process.any(bool(SIGNALS.received)):
             if not self.saved or self.saved["step"] != self.progress.step:
                 self.save()
@@ -163,14 +159,14 @@ class Stops(contextlib.AbstractContextManager):
             raise SystemExit(SIGNALS.exit_code)
 
     def check_divergence(self, train_loss: float) -> None:
-        """At a log point: stop on a loss that is not finite, or above DIVERGENCE_FACTOR x the first batch's."""
+        """A loss that is not finite, or above DIVERGENCE_FACTOR x the first batch's, stops the run."""
         start = self.progress.start_loss
         diverged = not math.isfinite(train_loss) or (start > 0 and train_loss > DIVERGENCE_FACTOR * start)
         if self.process.any(diverged):
             raise self.diverged(diverged_because(train_loss, start) if diverged else "diverged on another process")
 
     def check_val_loss(self, loss: float, line: str) -> None:
-        """After an evaluation: a val loss that is not finite stops the run, its epoch's line said first."""
+        """A val loss that is not finite stops the run, its epoch's `line` said first."""
         if not math.isfinite(loss):
             say(line)
             raise self.diverged(f"val loss {loss} after epoch {self.progress.epoch + 1}")
@@ -200,7 +196,7 @@ class Stops(contextlib.AbstractContextManager):
         return self
 
     def __exit__(self, kind, err, traceback) -> None:
-        try:  # the lines below are said with the signals still deferred: a save is never cut short
+        try:  # with the signals still deferred: a save is never cut short
             if err is not None:
                 self.stopped_by(err)
         finally:
@@ -259,9 +255,8 @@ def lower_rate_command(config: dict, out_dir: Path) -> str:
 
 @contextlib.contextmanager
 def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError, program: bool = True):
-    """A script's whole run, ending in one line whatever stops it (`after`: what a signal outside the loop
-    left as it was); the folder's lock and the process group are let go in any case. `program` False (main()
-    called in-process): a signal then goes on to the caller's handler."""
+    """A script's run, ending in one line whatever stops it (`after`: what a signal outside the loop left as
+    it was), its lock and process group let go. `program` False: main() called in-process, by pytest say."""
     try:
         with SIGNALS.installed(program=True):  # handed on at the very end, where not `program`
             yield
@@ -275,7 +270,7 @@ def one_line(after: str, *, status: int = 2, caught: type[Exception] = UserError
             leave()
         if not program:
             SIGNALS.hand_on()
-        else:  # the process ends next: its last collection walked torch's millions of objects, 0.7 s on exit
+        else:  # the process ends next: its last collection would walk torch's objects (0.7 s)
             gc.freeze()
 
 

@@ -29,6 +29,7 @@ class Torchrun:
         self.device = device
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.shard = (self.rank, self.world_size)  # this process's part of each epoch, of how many
 
     @classmethod
     def joined(cls, device: torch.device, timeout_minutes: float) -> Torchrun:

@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 def make_batches(source, labels, *, served: bool = False, **overrides):
     """Batches of uint8 images with these overrides, of Serving's options or of ImageSteps': a tensor's
     (DeviceBatches, the plain path's; `served`: machinery/served.py's Batches), or a Dataset's (workers)."""
-    image = {"mean": torch.tensor([0.5]), "std": torch.tensor([0.25]), "pad": 2, "flip": True}
+    image = {"mean": torch.tensor([0.5]), "std": torch.tensor([0.25]), "pad": 2, "flip": True, "resize": 0}
     options = {"batch_size": 8, "seed": 3, "device": CPU}
     train = overrides.pop("train", True)
     for key, value in overrides.items():

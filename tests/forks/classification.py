@@ -1,11 +1,7 @@
-"""The task: what the model's outputs mean. To train for another task, this is the file to edit.
-
-It holds the loss, the metrics an evaluation reports, the pictures TensorBoard shows, and what a prediction is
-(a row of evaluate.py --predict's predictions.csv). Training, lr_find.py, evaluation and evaluate.py all call
-these; the rest of the template reads only the names defined here (docs/your_data.md, "The task: task.py",
-lists them). This one is single-label classification: cross-entropy, accuracy, a confusion matrix and the
-most confidently wrong images. tests/forks/ holds other tasks written this way.
-"""
+"""The task: what the model's outputs mean, the file to edit to train for another task: the loss, the metrics,
+the pictures, what a prediction is. Every path that computes a loss or a metric calls these; the rest of the
+template reads only the names defined here (docs/your_data.md lists them). This one is single-label
+classification; tests/forks/ holds other tasks written this way."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ import torch.nn.functional as F
 from machinery.contract import IGNORE_INDEX
 from machinery.inputs import joined, take
 from machinery.logs import confusion_picture, image_grid
+from machinery.processes import ALONE
 
 NAME = "classification"  # saved with each sweep and checkpoint: --lr auto and --resume refuse another's
 TARGETS = "classes"  # what loss() takes: class ids, one per example or per pixel (contract.py checks them)
@@ -29,8 +26,7 @@ INPUTS_SHOWN = 32  # training images in the picture of what the model receives
 
 def loss(outputs: torch.Tensor, targets: torch.Tensor, cfg, info) -> torch.Tensor:
     """The batch's loss summed over what `normalizer` counts, not a mean: training, lr_find and evaluation
-    divide once by the normalizers of all the batches they take together (a step's micro-batches and
-    processes, a whole evaluation), so weighted and masked means stay exact. `info`: batches.DataInfo."""
+    divide once by the normalizers of all the batches they take together, so weighted means stay exact."""
     return F.cross_entropy(outputs, targets, label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
@@ -56,9 +52,8 @@ class Evaluation:
 
 
 class Tally:
-    """Loss and normalizer sums, the confusion matrix and the most confidently wrong examples of one
-    evaluation, kept on the device (a read per batch would wait for it every batch). Under torchrun each
-    process tallies its shard, and result() combines them: the figures and pictures are the split's."""
+    """One evaluation's sums, confusion matrix and most confidently wrong examples, kept on the device (a read
+    a batch would wait for it); under torchrun each process tallies its shard and result() combines them."""
 
     def __init__(self, cfg, info, device: torch.device, keep: int = WORST_SHOWN):
         self.cfg, self.info, self.names, self.keep = cfg, info, info.names, keep
@@ -89,9 +84,8 @@ class Tally:
         top = kept[0].topk(min(self.keep, len(kept[0]))).indices
         return tuple(take(x, top) for x in kept)
 
-    def result(self, across) -> Evaluation:
-        """The metrics, from the device's tallies combined over torchrun's processes by `across` (the run's
-        process: its sum, and its gather of each process's most confidently wrong examples)."""
+    def result(self, across=ALONE) -> Evaluation:
+        """The metrics, the tallies summed (and the wrong examples gathered) `across` the run's processes."""
         total, (count, *cells) = across.sum(self.loss).item(), across.sum(self.counts).tolist()
         n = len(self.names)
         confusion = [cells[r * n: (r + 1) * n] for r in range(n)]
@@ -131,8 +125,7 @@ def predictions(outputs: torch.Tensor, names: list[str], top_k: int) -> tuple[li
 # inputs are not images, and the pictures that show inputs are skipped.
 
 def input_picture(inputs, targets: torch.Tensor, names: list[str], to_pixels):
-    """A training batch as the model receives it (after crop, flip, resize), each with its label (with
-    per-pixel targets, the classes its mask holds)."""
+    """A training batch as the model receives it, each with its label (per-pixel: the classes it holds)."""
     if to_pixels is None:
         return None
     shown = targets[:INPUTS_SHOWN].cpu()
