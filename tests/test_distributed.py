@@ -109,14 +109,14 @@ def evaluated(rank: int, world_size: int) -> dict:
     Tally.result takes `reduce` and sums; and the gather of each rank's example numbers."""
     data.DATASETS.update(entries("multilabel_data")[0])
     mine = torch.arange(rank, 7, world_size)  # 7 examples: ranks hold 4 and 3
-    process = Torchrun(torch.device("cpu"))
+    process = Torchrun(torch.device("cpu")) if world_size > 1 else processes.ALONE  # as train() picks it
     found = {"numbers": process.gather(mine),
              "flags": process.gather({"odd": (mine % 2 == 1)[:, None], "n": mine.float()})}
     for task, dataset, outputs in ((multilabel, "digit_facts", 3), (classification, "digits", 10)):
         cfg = parse_config([*SMALL, "--dataset", dataset])
         _, val, _, info = build_loaders(cfg, rank=rank, world_size=world_size, targets=task.TARGETS)
         torch.manual_seed(0)
-        result = train.evaluate(models.build_model(cfg, 1, outputs), val, task, cfg, info, None)
+        result = train.evaluate(models.build_model(cfg, 1, outputs), val, task, cfg, info, None, process)
         found[task.NAME] = result.metrics
     found["worst"] = result.worst
     found["picture"] = classification.pictures(result, info.names, val.to_pixels)["most_confidently_wrong"]
