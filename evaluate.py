@@ -35,7 +35,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     the checkpoint (or into an --out-dir `given` here)."""
     cfg, ckpt, path, ours = opened(cfg, given, task)
     process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
-    splits, info, model = setup(cfg, task, process.device, shard=(process.rank, process.world_size), fresh=False)
+    splits, info, model = setup(cfg, task, process.device, shard=process.shard, fresh=False)
     with splits:
         batches = chosen_split(splits, cfg)
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")

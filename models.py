@@ -86,8 +86,8 @@ def input_needs(model: str, pretrained: bool) -> InputNeeds:
 
         return torchvision_needs(model, pretrained, tuple(MODELS))
     if pretrained:
-        raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained weights (start "
-                        "from a checkpoint of yours with --init-from PATH)")
+        raise UserError(f"--pretrained applies to torchvision models; {model} has no pretrained weights "
+                        "(start from a checkpoint of yours with --init-from PATH)")
     return InputNeeds()
 
 
@@ -100,7 +100,8 @@ def build_model(cfg: Config, channels: int, num_outputs: int, device: torch.devi
     else:
         from machinery.torchvision_models import architecture
 
-        model = architecture(cfg, channels, num_outputs, input_needs(cfg.model, cfg.pretrained), tuple(MODELS))
+        needs = input_needs(cfg.model, cfg.pretrained)
+        model = architecture(cfg, channels, num_outputs, needs, tuple(MODELS))
     if fresh and (cfg.pretrained or cfg.init_from):  # a new run from weights of elsewhere
         from machinery.weights import starting_weights
 

@@ -173,8 +173,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
         amp_dtype, process)
     logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
     summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
-        "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "world_size": process.world_size,
-        "device": str(device), "ranks_in_sync": in_sync, **info.sizes()})
+        "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "device": str(device),
+        "world_size": process.world_size, "ranks_in_sync": in_sync, **info.sizes()})
     process.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, log)
     return summary
 
@@ -205,8 +205,8 @@ def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, no
     """--compile: the training and the evaluation forward, each compiled once (machinery/precision.py)."""
     from machinery.precision import compile_model
 
-    return compile_model(model, evaluated, cfg.compile, process.device, notes=notes, accum_steps=cfg.accum_steps,
-                         batch_size=cfg.batch_size // process.world_size)
+    return compile_model(model, evaluated, cfg.compile, process.device, notes=notes,
+                         accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // process.world_size)
 
 
 def auto_lr(cfg: Config, task) -> float:
@@ -238,18 +238,20 @@ def warm_options(cfg: Config, steps, total: int) -> dict:
     if warmup >= total:
         raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
                         "lower it")
-    options = {"step": dict(step_size=max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1), gamma=cfg.gamma),
-               "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}.get(cfg.schedule, {})
-    return {**options, "warmup_steps": warmup}
+    step_size = max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1)
+    options = {"step": dict(step_size=step_size, gamma=cfg.gamma),
+               "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}
+    return {**options.get(cfg.schedule, {}), "warmup_steps": warmup}
 
 
 def step_weight(counts: list, process, weights: dict) -> torch.Tensor:
     """What an optimizer step's summed losses are weighted by: one over their normalizers' sum over every
     process, times the processes (DDP averages the gradients over them). A count that depends on the
-    targets (a tensor) is summed on the device, never read; a number's weight is made once, kept in `weights`."""
+    targets (a tensor) is summed on the device, never read; a number's weight is made once, in `weights`."""
     total = sum(counts)
     if isinstance(total, torch.Tensor):
-        return process.world_size / process.sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
+        counted = process.sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
+        return process.world_size / counted
     if total not in weights:
         weights[total] = torch.tensor(1 / total, device=process.device)
     return weights[total]
@@ -270,7 +272,7 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
     return tally.result(across)
 
 
-def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Path, process) -> torch.nn.Module:
+def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Path, process):
     """best.pt's weights (its --ema average where it has one) into the evaluated model, in place, read by rank
     0 and shared with every rank; what evaluation calls."""
     if process.rank == 0:

@@ -93,7 +93,7 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
                shard: tuple[int, int] = (0, 1), class_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's training order, crop offsets and flips for an epoch, drawn for all from one (seed, epoch)
-    generator, then sharded as DistributedSampler does; `class_ids` (--balance-classes): each class as likely."""
+    generator, then sharded as DistributedSampler does; `class_ids` (--balance-classes): classes as likely."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if class_ids is not None:
         per_class = torch.bincount(class_ids).double()
@@ -147,7 +147,8 @@ class DeviceBatches:
     def epoch(self, epoch: int, start: int = 0):
         s, size = self.serving, self.serving.batch_size
         if not self.train:  # in order, each rank its shard
-            for rows in torch.arange(s.rank, self.num_examples, s.world_size, device=self.device).split(size):
+            shard = torch.arange(s.rank, self.num_examples, s.world_size, device=self.device)
+            for rows in shard.split(size)[start:]:
                 yield self.prepared(self.inputs[rows]), self.targets[rows]
             return
         pad, flip = (self.image.pad, self.image.flip) if self.image else (0, False)
@@ -183,7 +184,7 @@ class DeviceBatches:
         return ((inputs.float() + self.shift) / self.scale / 255).clamp_(0, 1)
 
     def image_steps(self) -> dict:
-        """{None: (steps, scale, shift)} for the one input, where it is an image: what --export puts inside."""
+        """{None: (steps, scale, shift)} where the input is an image: what --export puts inside."""
         return {None: (self.image, self.scale, self.shift)} if self.image else {}
 
     def raw(self, n: int) -> torch.Tensor:
@@ -213,7 +214,7 @@ class Splits:
 
 def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs,
                   shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
-    """Train, val and test batches of `source` (data.Source) for this process (`shard`: its rank, of how many),
+    """Train, val and test batches of `source` (data.Source) for this process (`shard`: rank, of how many),
     their targets checked as the task takes them (`targets`: task.TARGETS; moved with crops by `follow`,
     task.augmented_targets), images fitted to what the model `needs`."""
     splits, spec = contract.checked_sizes(cfg, source, shard[1]), None
@@ -231,8 +232,9 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
                             checked=spec and (splits, spec, said))
     notes = list(source.notes)
     steps = image_steps(cfg, source, splits["train"][0], needs, notes) if image else None
-    notes += [contract.image_steps_note(steps, spec, cfg) if image else contract.plain_inputs(cfg, source, needs,
-                                                                                              example), said]
+    note = contract.image_steps_note(steps, spec, cfg) if image else contract.plain_inputs(cfg, source, needs,
+                                                                                           example)
+    notes += [note, said]
     contract.check_balance(cfg, spec)
     serving = Serving(cfg.batch_size // shard[1], device, cfg.seed, *shard)
     served = {split: DeviceBatches(inputs.to(device), labels.to(device), serving, train=split == "train",

@@ -44,13 +44,13 @@ def load_checkpoint(path: str | Path) -> dict:
 def refused(path: Path, err: pickle.UnpicklingError) -> UserError:
     """A file torch.load refused: not a checkpoint at all, or one holding more than tensors and plain data."""
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; this is something else
-        return UserError(f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); delete it or "
-                         "resume from another file")
+        return UserError(f"checkpoint {path} is not a PyTorch checkpoint (truncated or corrupt?); delete it "
+                         "or resume from another file")
     reason = first_line(err, limit=None) if str(err).strip() else "unsafe content"
     if "Weights only load failed" in reason:
         reason = "it holds objects other than tensors and plain data"
-    return UserError(f"checkpoint {path} refused: {reason}; only weights_only checkpoints load (nothing in it "
-                     "was executed)")
+    return UserError(f"checkpoint {path} refused: {reason}; only weights_only checkpoints load (nothing in "
+                     "it was executed)")
 
 
 def weights_of(state: dict) -> dict:
@@ -69,7 +69,7 @@ def all_finite(tensors) -> bool:
 
 
 def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refused at start-up: a disk that cannot hold last.pt, the weights and the optimizer's copies of them."""
+    """Refused at start-up: a disk that cannot hold last.pt (the weights, the optimizer's copies of them)."""
     copies = 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum", 0)))
     needed = sum(t.nbytes for t in model.state_dict().values()) * (1 + copies)
     free = free_bytes(out_dir)

@@ -102,7 +102,8 @@ def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
         raise UserError(f"the model {cfg.model} returns a {type(outputs).__name__}, not a tensor of outputs")
     shape, kind = list(outputs.shape), task.TARGETS
     want = [shape[0], *shape[2:]] if kind == "classes" else shape
-    if kind != "any" and not (outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want):
+    fits = outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want
+    if kind != "any" and not fits:
         raise outputs_misfit(cfg, (given, shape, list(targets.shape)), kind, len(info.names))
     loss = task.loss(outputs.float(), targets, cfg, info)
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
@@ -135,7 +136,8 @@ def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> s
         ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
         else [])
     if not steps:
-        return f"images{which}: no crop or flip ({'--no-augment' if not cfg.augment else f'none for {cfg.dataset}'})"
+        why = "--no-augment" if not cfg.augment else f"none for {cfg.dataset}"
+        return f"images{which}: no crop or flip ({why})"
     moved = ("; the targets follow them by task.py's augmented_targets" if targets.follow else
              "; the per-pixel targets move with them" if targets.dense else "")  # one per example: they stay
     return f"images{which}: {' and '.join(steps)} on training batches{moved}"
@@ -170,7 +172,7 @@ def epoch_checks(cfg: Config, train, world_size: int) -> list[str]:
 
 def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:
     """What an epoch of `n` training examples trains where some sit out of it (the partial last batch is
-    dropped: --compile's shapes stay static, BatchNorm never sees a batch of one), and a better --batch-size."""
+    dropped: --compile's shapes stay static, BatchNorm never sees a batch of one); a better --batch-size."""
     per_rank, local = n // world_size, batch_size // world_size
     batches, whole = per_rank // local, -(-per_rank // local)  # full batches; batches that take them all
     if not (out := n - batches * batch_size):
@@ -190,26 +192,28 @@ def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> st
 
 def _read_as(targets, kind: str, outputs: int, split: str):
     """Targets in the dtype and shape the task takes, or one line saying why they cannot be."""
-    if isinstance(targets, Mapping | tuple) and targets and all(
-            isinstance(t, torch.Tensor) for t in (targets.values() if isinstance(targets, Mapping) else targets)):
+    parts = list(targets.values()) if isinstance(targets, Mapping) else targets if isinstance(
+        targets, tuple) else []
+    if parts and all(isinstance(t, torch.Tensor) for t in parts):  # several tensors
         return _several_targets(targets, kind, split)
     targets = torch.as_tensor(targets)
-    if kind == "classes" and (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool):
+    if kind == "classes" and (targets.is_floating_point() or targets.is_complex() or
+                              targets.dtype is torch.bool):
         raise UserError(f"the task takes class ids, and the {split} targets are {_dtype(targets)}: give the "
                         "dataset integer class ids (or set TARGETS = \"values\" in task.py)")
     if kind == "values" and targets.ndim == 1 and outputs != 1:
-        raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's Source), "
-                        f"and the {split} targets are {list(targets.shape)}: one each")
+        raise UserError(f"the task takes {outputs} values per example (one per name in the dataset's "
+                        f"Source), and the {split} targets are {list(targets.shape)}: one each")
     return as_taken(targets, kind)
 
 
 def _several_targets(targets, kind: str, split: str):
-    """A tuple or dict of tensors (boxes and their labels, say): "any" takes them so, each a row per example."""
+    """A tuple or dict of tensors (boxes and their labels): "any" takes them so, each a row per example."""
     if kind != "any":
         wanted = "class ids" if kind == "classes" else "values"
-        raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(targets)} tensors, and the "
-                        f"task takes {wanted}, one tensor; give one, or set TARGETS = \"any\" in task.py for a "
-                        "loss that reads them so")
+        raise UserError(f"the {split} targets are a {type(targets).__name__} of {len(targets)} tensors, and "
+                        f"the task takes {wanted}, one tensor; give one, or set TARGETS = \"any\" in task.py "
+                        "for a loss that reads them so")
     from machinery.inputs import each
 
     return each(lambda _, t: t, targets)
@@ -271,13 +275,13 @@ def _dtype(t: torch.Tensor) -> str:
 
 def empty_split(cfg: Config, source, split: str) -> UserError:
     skipped = f" ({'; '.join(source.notes)})" if source.notes else ""
-    return UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its dataset "
-                     "entry in data.py, or the files in --data-dir)")
+    return UserError(f"{cfg.dataset}: the {split} split holds no examples{skipped}; give it some (its "
+                     "dataset entry in data.py, or the files in --data-dir)")
 
 
 def model_refused(cfg: Config, given: str, err: Exception) -> UserError:
-    return UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first_line(err)}; add a "
-                     "model for these inputs to MODELS in models.py and pass --model NAME")
+    return UserError(f"the model {cfg.model} cannot take this data's inputs ({given}): {first_line(err)}; "
+                     "add a model for these inputs to MODELS in models.py and pass --model NAME")
 
 
 def outputs_misfit(cfg: Config, shapes: tuple, kind: str, outputs: int) -> UserError:
@@ -290,13 +294,14 @@ def outputs_misfit(cfg: Config, shapes: tuple, kind: str, outputs: int) -> UserE
 
 def loss_not_a_number(loss) -> UserError:
     what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-    return UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's summed "
-                     "loss (normalizer() says what it is divided by)")
+    return UserError(f"task.loss returns {what} for a batch of 2: it must return one number, the batch's "
+                     "summed loss (normalizer() says what it is divided by)")
 
 
 def loss_not_finite(loss: torch.Tensor, shape: list, targets: str) -> UserError:
     return UserError(f"task.loss gives {loss.item()} for the first two examples ({shape} outputs, {targets} "
-                     "targets): with TARGETS = \"any\" that is the check, so make the loss read these targets")
+                     "targets): with TARGETS = \"any\" that is the check, so make the loss read these "
+                     "targets")
 
 
 def not_finite(split: str, what: str, finite: torch.Tensor) -> UserError:
@@ -307,7 +312,8 @@ def not_finite(split: str, what: str, finite: torch.Tensor) -> UserError:
 
 def outside_classes(targets: torch.Tensor, ok: torch.Tensor, classes: int, split: str) -> UserError:
     values, counts = targets[~ok].unique(return_counts=True)
-    bad = ", ".join(f"{v} ({c} times)" for v, c in zip(values[:SHOWN].tolist(), counts.tolist(), strict=False))
+    shown = zip(values[:SHOWN].tolist(), counts.tolist(), strict=False)
+    bad = ", ".join(f"{v} ({c} times)" for v, c in shown)
     one_based = targets.min() == 1 and targets.max() == classes
     hint = (f"; they look like 1..{classes}: subtract 1" if one_based
             else "; one name per class in the dataset's Source, ids counted from 0")
@@ -330,10 +336,10 @@ def check_dense(image, targets: Targets, cfg: Config) -> None:
 def unmovable(image, targets: Targets, cfg: Config) -> UserError:
     what = ('TARGETS = "any" targets' if targets.kind == "any" else
             f"{targets.kind} targets that are neither one per example nor one per pixel")
-    return UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), and the "
-                     f"template cannot move {what} with them: define augmented_targets(targets, shifts, flips, "
-                     "size) in task.py (docs/your_data.md), set pad=0 and flip=False in the dataset's Source, "
-                     "or pass --no-augment")
+    return UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), and "
+                     f"the template cannot move {what} with them: define augmented_targets(targets, shifts, "
+                     "flips, size) in task.py (docs/your_data.md), set pad=0 and flip=False in the dataset's "
+                     "Source, or pass --no-augment")
 
 
 def refuse_crops(cfg: Config, source, shown: str) -> None:
@@ -341,9 +347,9 @@ def refuse_crops(cfg: Config, source, shown: str) -> None:
     would a crop take?"""
     if (source.pad or source.flip) and cfg.augment:
         raise UserError(f"{cfg.dataset}'s Source asks for crops and flips (pad={source.pad}, flip="
-                        f"{source.flip}), and its inputs are {shown} tensors, not uint8 [C, H, W] images: the "
-                        "template does not know which axes to crop; set pad=0 and flip=False in its Source "
-                        "(augment in the dataset), or pass --no-augment")
+                        f"{source.flip}), and its inputs are {shown} tensors, not uint8 [C, H, W] images: "
+                        "the template does not know which axes to crop; set pad=0 and flip=False in its "
+                        "Source (augment in the dataset), or pass --no-augment")
 
 
 def check_image_model(cfg: Config, needs, shown: str) -> None:

@@ -35,7 +35,8 @@ class Logs(contextlib.AbstractContextManager):
         if active and {"wandb", "mlflow"} & set(names):  # first: one that cannot start leaves no file
             from machinery import trackers
 
-            self.trackers = trackers.open_all(names, out_dir, {**cfg.to_dict(), "lr": lr}, resumed, cfg.log_model)
+            config = {**cfg.to_dict(), "lr": lr}
+            self.trackers = trackers.open_all(names, out_dir, config, resumed, cfg.log_model)
         try:
             if active:
                 self._open_files(names, resumed)
@@ -54,7 +55,8 @@ class Logs(contextlib.AbstractContextManager):
                 quiet_tensorboard_thread()
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(self.out_dir), purge_step=None if resumed is None else step + 1)
+                purge = None if resumed is None else step + 1  # what was logged after the checkpoint goes
+                self.writer = SummaryWriter(str(self.out_dir), purge_step=purge)
             if "csv" in names:
                 self.csv = metrics_csv(self.out_dir / METRICS_CSV, step)
 
@@ -203,8 +205,8 @@ def announce(cfg: Config, task, info, moved: Path | None, trains: tuple) -> None
     model, process, amp_dtype, lr, total_steps = trains
     processes = f" x{process.world_size} processes" if process.world_size > 1 else ""
     say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {process.device}"
-        f"{processes}, amp {amp_dtype or 'off'}, {cfg.schedule} schedule, lr {lr:.4g}, {total_steps} optimizer "
-        "steps")
+        f"{processes}, amp {amp_dtype or 'off'}, {cfg.schedule} schedule, lr {lr:.4g}, {total_steps} "
+        "optimizer steps")
 
 
 def progress_bar(total: int, done: int, desc: str) -> tqdm:
@@ -238,7 +240,7 @@ class Speed:
         return sum(steady) / len(steady) if steady else None
 
 
-def log_evaluation(result, task, names: list[str], batches, step: int, logs: Logs, split: str = "val") -> None:
+def log_evaluation(result, task, names: list[str], batches, step: int, logs: Logs, split: str = "val"):
     """An evaluation's metrics and pictures, as `split`/<name>, at the step where its epoch ended; None
     (no test split): nothing."""
     if result is None:
@@ -293,8 +295,8 @@ def write_summary(summary: dict, cfg: Config, task, val, names: list[str], logs:
           f"{out_dir}")
 
 
-# ---------------------------------------------------------------- pictures: (H, W, 3) uint8 arrays, drawn with PIL
-# (about 10 ms each: they can be drawn at every evaluation)
+# ---------------------------------------------------------------- pictures
+# (H, W, 3) uint8 arrays, drawn with PIL: about 10 ms each, so they can be drawn at every evaluation
 
 
 def write_png_atomic(path: str | Path, picture) -> None:

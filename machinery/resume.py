@@ -28,16 +28,16 @@ class Resumed:
     state: dict
 
     def restore(self, info, epochs: int, record: type, **objects):
-        """A checkpoint's states back into the run's `objects` (model, optimizer, scheduler, scaler, ema: a None
-        is skipped), then its RNGs, on data (`info`: batches.DataInfo) that gives the epochs its schedule was
-        built for; one UserError line if anything does not fit. Returns where the run stands, its part counted,
-        as a `record` (train.Progress), which must know each of the saved run's fields (a new run: a new one)."""
+        """The checkpoint's states back into the run's `objects` (a None is skipped), then its RNGs, on data
+        (`info`) that gives the epochs its schedule was built for, or one line; where the run stands, as a
+        `record` (train.Progress), which must know each field of the saved run."""
         check_same_data(self, info.data_record())
         if unknown := sorted(set(self.state["run"]) - {f.name for f in dataclasses.fields(record)}):
             raise UserError(f"checkpoint {self.path} was written by another version of train.py (its run "
-                            f"record holds {', '.join(unknown)}, which this train.py's {record.__name__} lacks): "
-                            "resume it with the version that wrote it (check out that commit), or start a new "
-                            f"run with another --out-dir, from its weights with --init-from {self.path}")
+                            f"record holds {', '.join(unknown)}, which this train.py's {record.__name__} "
+                            "lacks): resume it with the version that wrote it (check out that commit), or "
+                            "start a new run with another --out-dir, from its weights with --init-from "
+                            f"{self.path}")
         try:
             for key, target in objects.items():
                 if target is not None and self.state.get(key) is not None:
@@ -45,8 +45,8 @@ class Resumed:
             restore_rng_state(self.state["rng"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
             raise UserError(f"checkpoint {self.path} does not fit this model and optimizer "
-                            f"({first_line(err)}); resume it with the settings it was written with, or start a "
-                            "new run") from None
+                            f"({first_line(err)}); resume it with the settings it was written with, or start "
+                            "a new run") from None
         run = {**self.state["run"], "part": self.state["run"]["part"] + 1}
         where = ("its training done: the test pass and summary.json next" if run.get("stopped") or
                  run["epoch"] >= epochs else position(run["epoch"], run["batch"], epochs, info.batches))

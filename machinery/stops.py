@@ -121,8 +121,8 @@ SIGNALS = Signals()  # one per process, as signal handlers are
 
 
 class Stops(contextlib.AbstractContextManager):
-    """The loop's saves and stops: `progress` where the run stands (train.Progress), `checkpoint()` what a save
-    writes, `logs` flushed first, `process` where it runs. In the block a signal only sets a flag."""
+    """The loop's saves and stops: `progress` where the run stands (train.Progress), `checkpoint()` what a
+    save writes, `logs` flushed first, `process` where it runs. In the block a signal only sets a flag."""
 
     def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], logs, process):
         self.out_dir, self.progress, self.checkpoint = out_dir, progress, checkpoint
@@ -155,7 +155,8 @@ class Stops(contextlib.AbstractContextManager):
         if (log_point or self.process.world_size == 1) and self.process.any(bool(SIGNALS.received)):
             if not self.saved or self.saved["step"] != self.progress.step:
                 self.save()
-            say(f"interrupted at step {self.progress.step}; saved {self.out_dir / 'last.pt'}; {self.resuming()}")
+            say(f"interrupted at step {self.progress.step}; saved {self.out_dir / 'last.pt'}; "
+                f"{self.resuming()}")
             raise SystemExit(SIGNALS.exit_code)
 
     def check_divergence(self, train_loss: float) -> None:
@@ -163,7 +164,8 @@ class Stops(contextlib.AbstractContextManager):
         start = self.progress.start_loss
         diverged = not math.isfinite(train_loss) or (start > 0 and train_loss > DIVERGENCE_FACTOR * start)
         if self.process.any(diverged):
-            raise self.diverged(diverged_because(train_loss, start) if diverged else "diverged on another process")
+            raise self.diverged(diverged_because(train_loss, start) if diverged else
+                                "diverged on another process")
 
     def check_val_loss(self, loss: float, line: str) -> None:
         """A val loss that is not finite stops the run, its epoch's `line` said first."""
@@ -223,7 +225,7 @@ class Stops(contextlib.AbstractContextManager):
                             128 + err.signum) from None
 
     def peer_lost(self, err: BaseException) -> None:
-        """Between steps every rank holds the last whole step, so rank 0 saves it, with no collective; mid-step
+        """Between steps every rank holds the last whole step, so rank 0 saves it, no collective; mid-step
         (a forward moved BatchNorm's statistics and the RNGs) last.pt stays as it is, whole."""
         whole = not self.mid_step and self.progress.step > (self.saved["step"] if self.saved else 0)
         if self.process.rank == 0 and whole:
@@ -231,8 +233,8 @@ class Stops(contextlib.AbstractContextManager):
         left = f"{self.out_dir / 'last.pt'} holds step {self.saved['step']}" if self.saved else (
             "no checkpoint was written")
         raise UserError(f"another process of this run failed ({first_line(err, 120)}): stopped at step "
-                        f"{self.progress.step}; {left}; continue with `torchrun ... train.py ... --resume auto` "
-                        "(torchrun --max-restarts N does that itself)", 1) from None
+                        f"{self.progress.step}; {left}; continue with `torchrun ... train.py ... --resume "
+                        "auto` (torchrun --max-restarts N does that itself)", 1) from None
 
 
 def diverged_because(train_loss: float, start: float) -> str:

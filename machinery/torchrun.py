@@ -46,7 +46,7 @@ class Torchrun:
         return cls(device, rank, world_size)
 
     def on_rank0(self, work: Callable, *args) -> None:
-        """`work(*args)` on rank 0 alone, its UserError raised on every rank: they go on, or stop, together."""
+        """`work(*args)` on rank 0 alone, its UserError raised on every rank: all go on, or stop, together."""
         problem = None
         if self.rank == 0:
             try:
@@ -81,7 +81,7 @@ class Torchrun:
         BatchNorm's statistics serve evaluation only, and each epoch's end shares rank 0's (share)."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         parameters = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"  # < 2.14
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **{no_sync: False})
 
     def gradient_sync(self, model: nn.Module, last: bool):
@@ -143,7 +143,7 @@ def barrier() -> None:
 
 
 def peer_lost(err: BaseException) -> bool:
-    """Whether a failed collective says another process is gone: NCCL's DistError, gloo's closed connection."""
+    """Whether a failed collective says another process is gone (NCCL's DistError, gloo's connection)."""
     return joined() and (isinstance(err, dist.DistError) or "gloo/transport" in str(err))
 
 

@@ -39,8 +39,8 @@ def input_needs(model: str, pretrained: bool, ours: tuple[str, ...]) -> InputNee
 def architecture(cfg, channels: int, num_outputs: int, needs: InputNeeds, ours: tuple[str, ...]) -> nn.Module:
     """torchvision's cfg.model for `num_outputs` classes (a ViT built for its one size), its own dropout."""
     if cfg.dropout:  # torchvision builders differ: some take `dropout`, some silently ignore it
-        raise UserError(f"--dropout applies to {', '.join(ours)}; {cfg.model} keeps torchvision's own dropout "
-                        "(set it in models.py)")
+        raise UserError(f"--dropout applies to {', '.join(ours)}; {cfg.model} keeps torchvision's own "
+                        "dropout (set it in models.py)")
     import torchvision
 
     options = {"image_size": needs.size} if needs.exact else {}

@@ -60,7 +60,7 @@ def _quiet_when_parent_left(kind, error, trace) -> None:
 
 def end_workers() -> None:
     """At exit: workers ignore signals (worker_init), so multiprocessing's SIGTERM would leave its wait for
-    them lasting for ever. Their end is no error: torch's SIGCHLD handler, which would say it is, goes first."""
+    them lasting for ever. Their end is no error: torch's SIGCHLD handler, which would say so, goes first."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:

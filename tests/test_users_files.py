@@ -18,7 +18,7 @@ from test_nothing_lost import FILES, csv_folder, csv_source, files_of
 import data
 import train
 from configs import UserError, parse_config
-from machinery import checkpoints, resume
+from machinery import resume
 
 images = test_faults.images  # the fixture: two classes of PNG files, 8 train and 4 val images each
 image_run = test_nothing_lost.image_run  # a one-epoch run on them
