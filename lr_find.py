@@ -99,7 +99,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     with contextlib.ExitStack() as undo:  # on the way out, even on error, undo puts all back: last kept first
         moved = _snapshot(model, optimizers, scaler, undo)
         undo.enter_context(optimizers[-1].register_step_post_hook(lambda *_: taken.append(1)))
-        if hasattr(loader, "__dict__"):  # a DataLoader: its samplers' state comes back, its workers stop
+        if hasattr(loader, "__dict__"):  # a DataLoader (a loader with state): its state comes back
             loader = _keep_loader(loader, undo)
         val_loader = None if val_loader is None else _keep_loader(val_loader, undo)
         batches = _batches(loader, device, undo, pairs)
@@ -272,7 +272,7 @@ def sweep_id(lrs: Sequence[float], losses: Sequence[float | None]) -> str:
 
 
 def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] = ()) -> Any:
-    """Loss against lr, the suggestions marked (docs/lr_find.md), on ``ax`` or a new Figure it returns."""
+    """Loss against lr, each suggestion marked (docs/lr_find.md), on ``ax`` or a new Figure; returns it."""
     from matplotlib.figure import Figure
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
@@ -529,7 +529,7 @@ def _sweep(reads: Iterator[list[float]], plan: list[list[float]], progress, smoo
            min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
     """Each step's [curve loss, training loss] from ``reads``, until the stop rule (docs/lr_find.md) fires."""
     losses, train_losses, smoothed = [], [], []
-    average, floor, high_run = 0.0, math.inf, 0  # EMA (not bias-corrected); lowest median of 5; run above it
+    average, floor, high_run = 0.0, math.inf, 0  # the moving average, lowest median of 5, high raw losses
     for n, (loss, train_loss) in enumerate(reads):
         if progress is not None:
             progress(n, plan[n][0], loss)
