@@ -397,7 +397,7 @@ def _classify(optimizer: Any) -> tuple[str, str]:
     return ("adaptive" if signs else "sgd"), f"{name}: {', '.join(signs) or 'no betas, eps or etas'}"
 
 
-def _bounded(lrs: list[float], loss: list[float], first: int, lowest: int, problem: str | None) -> Any:
+def _bounded(lrs: list[float], loss: list[float], first: int, lowest: int, problem) -> SuggestionCurve:
     """A curve still falling at the end of a sweep that never blew up: read up to its rise, if any."""
     fall, low = loss[first] - loss[lowest], first
     for k in range(first, lowest):
@@ -448,7 +448,7 @@ def _write_atomically(path: Path, data: bytes) -> Path:
     return path
 
 
-def _batches(loader: Iterable[Any], device: torch.device, undo: contextlib.ExitStack, pairs: bool) -> Any:
+def _batches(loader, device: torch.device, undo: contextlib.ExitStack, pairs: bool) -> Iterator[Any]:
     """The loader's batches, started again as often as needed; pairs of tensors on ``device`` as they come."""
     batches = undo.enter_context(contextlib.closing(_cycle(loader)))  # DataLoader workers stop there
     first = next(batches)
