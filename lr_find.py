@@ -1,6 +1,5 @@
-"""Learning-rate range test: sweep the lr, record the loss, suggest an lr per schedule (onecycle's peak: up to
-the loss's low point; a start at full rate: less, much less for Adam), then put back all it touched. Torch
-alone (matplotlib, TensorBoard to draw): copy the file alone. `python lr_find.py` sweeps train.py's setup."""
+"""Learning-rate range test: sweep the lr, suggest one per schedule, put back all it touched. Torch alone
+(matplotlib, TensorBoard to draw): copy the file alone. `python lr_find.py` sweeps train.py's setup."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ DEFAULT_RULES = {"sgd": {"peak": "minimum", "base": "min/3"}, "adaptive": {"peak
 SUGGEST_SIGMA_DECADES = 0.25  # smoothing width: averages minibatch noise, keeps a 1-decade drop sharp
 DIVERGED_RUN = 2  # raw losses in a row above diverge x their lowest running median that end a sweep too
 PNG_SWEEP_KEY = "lr_find sweep"  # lr_find.png's text chunk naming its sweep, as lr_find.json's "sweep" does
-_READ_LAG = {"cuda": 1}  # steps by which _sweep reads losses late, by device type (0 if not here)
+_READ_LAG = {"cuda": 1}  # steps by which a sweep reads its losses late, by device type (0 if not here)
 FIRST_LOSS_NOT_FINITE = ("the first step's loss is not finite, before any update: not the learning rate "
                          "but the data or the model (nan or inf in the inputs or targets, or a layer that "
                          "makes them)")
@@ -44,14 +43,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             batch_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None, step_mode: str = "exp",
             val_loader: Iterable[Any] | None = None, optimizer_kind: str | None = None,
             normalizer: Callable[[Any], torch.Tensor | float] | None = None) -> LRFindResult:
-    """Train at a growing lr, record each optimizer step's loss, then put back all it touched, even on error
-    (model, optimizer, scaler, RNGs, a DataLoader's generators, samplers and workers). The loss is
-    ``loss_fn(model(inputs), targets)`` or ``batch_loss(model, batch)``. Step i of n sets the first group
-    ``start_lr * (end_lr / start_lr) ** (i / (n - 1))`` (or a line), the others keeping their ratio (lists:
-    a rate per group). With ``normalizer`` a loss is a batch's sum, divided once per step by the window's
-    normalizers' sum (exact weighted and masked means); with ``val_loader`` a step's loss is its mean over it.
-    It stops at a non-finite loss or, from ``min_iter_before_stop``, at divergence (docs/lr_find.md).
-    ``.suggestion`` serves ``schedule`` by DEFAULT_RULES[optimizer_kind] or ``method``, if a weight moved."""
+    """Sweep the lr, one optimizer step a rate, until the loss blows up; put all back (docs/lr_find.md)."""
     def whole(value: Any, low: int) -> bool:
         return isinstance(value, int) and value >= low
 
@@ -75,33 +67,20 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     plan = _plan(optimizer, start_lr, end_lr, num_iter, step_mode)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     kind, kind_from = (optimizer_kind, "optimizer_kind argument") if optimizer_kind else _classify(optimizer)
-    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-
-    def on_device(window: list) -> tuple[list, torch.Tensor | int]:  # moved, and their losses' divisor
-        window = [_to_device(batch, device) for batch in window]
-        return window, len(window) if normalizer is None else sum(normalizer(batch) for batch in window)
-
-    def loss_of(batch: Any) -> torch.Tensor:  # the forward only under autocast, as in train.py
-        with amp:  # none at all without AMP: a disabled autocast still costs its enter and exit
-            return batch_loss(model, batch) if batch_loss else loss_fn(*_outputs_and_targets(model, batch))
-
-    def val_loss() -> torch.Tensor:  # the mean over val_loader, in eval mode
-        model.eval()
-        with torch.no_grad():
-            window, divisor = on_device(list(val_loader))
-            if not window:
-                raise ValueError("val_loader is empty: it yielded no batches")
-            total = sum(loss_of(batch).detach().float() for batch in window) / divisor
-        model.train()
-        return total
+    optimizers = _chain(optimizer) if hasattr(optimizer, "optimizer") else [optimizer]  # a wrapper's too
+    pairs = batch_loss is None  # loss_fn(model(inputs), targets) on (inputs, targets) batches
+    loss_of = (lambda b: loss_fn(model(b[0]), b[1])) if pairs else (lambda b: batch_loss(model, b))
+    if autocast_dtype is not None:  # the forward under autocast, the backward outside, as in train.py
+        loss_of = torch.autocast(device.type, dtype=autocast_dtype)(loss_of)
 
     def step(rates: list[float]) -> torch.Tensor:
-        """One optimizer step at ``rates`` (one per group): [the loss the curve reads, the training loss]."""
+        """One optimizer step at ``rates``, one per group: [the loss the curve reads, the training loss]."""
         for group, lr in zip(optimizer.param_groups, rates, strict=True):  # a tensor lr stays that tensor
             group["lr"] = group["lr"].fill_(lr) if isinstance(group["lr"], torch.Tensor) else lr
         optimizer.zero_grad(set_to_none=True)
-        total = None  # the training loss: the window's mean, as one big batch would give
-        window, divisor = on_device([next(batches) for _ in range(accum_steps)])
+        window = list(itertools.islice(batches, accum_steps))  # the step's batches
+        divisor = len(window) if normalizer is None else sum(map(normalizer, window))
+        total = None  # the window's mean loss, as one big batch would give
         for batch in window:  # one graph held at a time
             loss = loss_of(batch)
             loss = loss if type(divisor) is int and divisor == 1 else loss / divisor  # no kernel for 1
@@ -112,20 +91,24 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler.update()
         else:
             optimizer.step()
-        return torch.stack([total if val_loader is None else val_loss(), total]).flatten()
+        curve = total if val_loader is None else _val_loss(  # the mean over val_loader, after the step
+            model, val_loader, loss_of, normalizer, device, pairs)
+        return torch.stack([curve, total]).flatten()
 
     taken = []  # the optimizer steps taken, one item each (its step hook below)
     with contextlib.ExitStack() as undo:  # on the way out, even on error, undo puts all back: last kept first
-        moved = _snapshot(model, optimizer, scaler, undo)
-        undo.enter_context(_chain(optimizer)[-1].register_step_post_hook(lambda *_: taken.append(1)))
-        loader = _keep_loader(loader, undo)  # loader and val_loader may be one
+        moved = _snapshot(model, optimizers, scaler, undo)
+        undo.enter_context(optimizers[-1].register_step_post_hook(lambda *_: taken.append(1)))
+        if hasattr(loader, "__dict__"):  # a DataLoader (a loader with state): its state comes back
+            loader = _keep_loader(loader, undo)
         val_loader = None if val_loader is None else _keep_loader(val_loader, undo)
-        # closed now, not when a traceback lets go: DataLoader workers stop here
-        batches = undo.enter_context(contextlib.closing(_cycle(loader)))
+        batches = _batches(loader, device, undo, pairs)
         model.train()
+        lag = _READ_LAG.get(device.type, 0)
+        reads = _late_reads(step, plan, device, lag) if lag else (step(rates).tolist() for rates in plan)
         with torch.enable_grad():  # a sweep trains, even when called under torch.no_grad()
             stop_reason, losses, train_losses, smoothed = _sweep(
-                step, plan, device, progress, smooth, diverge, min_iter_before_stop)
+                reads, plan, progress, smooth, diverge, min_iter_before_stop)
         stuck = None if taken and moved() else (  # a sweep that never stepped says nothing
             f"the weights never changed in {len(taken)} steps (zero gradients, or steps skipped on the "
             "device)" if taken else "every step was skipped (by a GradScaler, or an optimizer wrapper)")
@@ -143,12 +126,11 @@ def family_of(schedule: str) -> str:
 
 @dataclass
 class LRFindResult:
-    """Per step: ``lrs`` (the first group's), ``group_lrs``, ``losses`` (a val_loader's; ``train_losses``
-    the training ones), ``smoothed`` (what stops it). ``suggestions``: "peak", "base" to (lr, rule)."""
+    """A sweep, per step, and its suggestions: "peak" and "base" (family_of), each (lr, rule)."""
 
-    lrs: list[float]
-    losses: list[float]
-    smoothed: list[float]
+    lrs: list[float]  # the first group's
+    losses: list[float]  # the curve's: a val_loader's if given
+    smoothed: list[float]  # what the stop rule reads
     suggestion: float | None
     stop_reason: str
     method: str
@@ -157,9 +139,9 @@ class LRFindResult:
     optimizer_kind: str = "sgd"  # or "adaptive": which DEFAULT_RULES served
     optimizer_kind_from: str = ""  # how the kind was told
     group_lrs: list[list[float]] = field(default_factory=list)
-    train_losses: list[float] | None = None
+    train_losses: list[float] | None = None  # with a val_loader, the training losses
     why_none: str | None = None  # why there is no suggestion
-    note: str | None = None  # how the rules read the curve, where that is not plain (SuggestionCurve's)
+    note: str | None = None  # how the rules read the curve, where that is not plain
 
     def suggest(self, method: str = "minimum") -> float | None:
         """Another rule's pick from this sweep, without re-running it (None if it gave none)."""
@@ -177,7 +159,7 @@ class LRFindResult:
         return self.per_group(self.for_schedule(schedule or self.schedule))
 
     def per_group(self, lr: float | None) -> list[float] | None:
-        """``lr`` for the first group, the others in their ratio to it at the sweep's step nearest ``lr``."""
+        """``lr`` for the first group, the others in their ratio to it at the step nearest ``lr``."""
         rates = lr and min(self.group_lrs or [[lr]], key=lambda r: abs(math.log(r[0] / lr)))
         return rates and [lr * (rate / rates[0]) for rate in rates]
 
@@ -205,8 +187,7 @@ class SuggestionCurve:
 
 
 def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> SuggestionCurve:
-    """Smooth without shifting (a moving average would move every feature to a higher lr): a running median
-    of five, then a Gaussian in log10(lr) of SUGGEST_SIGMA_DECADES (or 1.5 point spacings if wider)."""
+    """A running median of five, then a Gaussian in log10(lr): smooth without shifting (docs/lr_find.md)."""
     pairs = [(float(lr), math.nan if v is None else float(v))  # JSON's null: a non-finite loss
              for lr, v in zip(lrs, losses, strict=True) if 0 < lr < math.inf]
     points = sorted((lr, v) for lr, v in pairs if math.isfinite(v))
@@ -225,24 +206,15 @@ def suggestion_curve(lrs: Sequence[float], losses: Sequence[float | None]) -> Su
         loss.append(sum(wj * yj for wj, yj in zip(w, y[lo:hi], strict=True)) / sum(w))
     lowest = min(range(first, n), key=loss.__getitem__)
     problem = "the loss never decreases" if loss[lowest] >= loss[first] else None
-    # Still falling at the end of a sweep that never blew up: a loss that cannot blow up (bounded, such as
-    # NT-Xent) may rise past its low and fall again at higher rates, which no wider sweep changes. The rules
-    # then read the curve up to its first low after half the fall, before a rise by a quarter of it.
-    fall, low, note = loss[first] - loss[lowest], first, None
-    for k in range(first, lowest if lowest >= n - max(2, n // 20) and not exploded else first):
-        low = k if loss[k] < loss[low] else low
-        if loss[first] - loss[low] >= fall / 2 and loss[k] - loss[low] >= fall / 4 > 0:
-            lowest, note = low, (f"the loss rose after {lrs[low]:.3g} and fell again, never blowing up (a "
-                                 "bounded loss?): the rules read the curve up to that rise")
-            break
-    return SuggestionCurve(lrs, loss, first, lowest, exploded, problem, note)
+    if lowest >= n - max(2, n // 20) and not exploded:  # still falling at the end, never blown up
+        return _bounded(lrs, loss, first, lowest, problem)
+    return SuggestionCurve(lrs, loss, first, lowest, exploded, problem)
 
 
 def minimum(curve: SuggestionCurve) -> float | None:
-    """The lr at the lowest loss, between points by a parabola through its neighbours (onecycle's warmup
-    absorbs rates up to there); None if the loss still falls at the end of a sweep that did not blow up."""
+    """The lr at the lowest loss, between points by a parabola through its neighbours (docs/lr_find.md)."""
     i = curve.lowest
-    if i == len(curve.lrs) - 1:
+    if i == len(curve.lrs) - 1:  # the loss still falls at the end, unless the sweep blew up
         return curve.lrs[i] if curve.exploded else None
     (x0, x1, x2), (y0, y1, y2) = [math.log10(v) for v in curve.lrs[i - 1:i + 2]], curve.loss[i - 1:i + 2]
     bend = (x1 - x0) * (y1 - y2) - (x1 - x2) * (y1 - y0)
@@ -251,8 +223,7 @@ def minimum(curve: SuggestionCurve) -> float | None:
 
 
 def fraction_of_minimum(k: int) -> Callable[[SuggestionCurve], float | None]:
-    """A k-th of ``minimum``: a third is a rate SGD can start at and hold, and an Adam-like onecycle peak;
-    a tenth (fastai's classic rule) what Adam-like optimizers can start at."""
+    """A k-th of ``minimum``: a third for SGD's start and Adam's peak, a tenth for Adam's start."""
     return lambda curve: None if (lr := minimum(curve)) is None else lr / k
 
 
@@ -265,8 +236,7 @@ METHODS = tuple(RULES)
 
 def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | None = None,
                schedules: Iterable[str] = ()) -> list[Any]:
-    """Write lr_find.png, lr_find.json (plus ``extra``) and the picture to TensorBoard in out_dir/lr_find/;
-    returns what it wrote, the record first. Each suggestion names which of ``schedules`` it serves."""
+    """Write lr_find.json (with ``config``, ``extra``), lr_find.png and its TensorBoard image; return them."""
     (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     finite = {k: getattr(result, k) and [v if math.isfinite(v) else None for v in getattr(result, k)]
               for k in ("losses", "smoothed", "train_losses")}  # JSON has no NaN
@@ -275,7 +245,7 @@ def save_sweep(result: LRFindResult, config: dict, out_dir: Any, extra: dict | N
               "suggestions": {f: {"lr": lr, "method": rule, "schedules": served[f], "group_lrs":
                                   result.per_group(lr)} for f, (lr, rule) in result.suggestions.items()},
               **(extra or {})}
-    # Both name the sweep (PNG_SWEEP_KEY): --lr auto tells a kill -9 between the two writes
+    # Both name the sweep: --lr auto tells a kill -9 between the two writes
     record["sweep"], drawn = sweep_id(record["lrs"], record["losses"]), io.BytesIO()
     try:
         plot = plot_lr_find(result, schedules=schedules)
@@ -302,8 +272,7 @@ def sweep_id(lrs: Sequence[float], losses: Sequence[float | None]) -> str:
 
 
 def plot_lr_find(result: LRFindResult, ax: Any = None, schedules: Iterable[str] = ()) -> Any:
-    """Loss against lr: the raw loss faint, the curve the rules read solid, each suggestion marked, the chosen
-    one red. Draws on ``ax`` or a new Figure (no pyplot state, no GUI backend) and returns the figure."""
+    """Loss against lr, each suggestion marked (docs/lr_find.md), on ``ax`` or a new Figure; returns it."""
     from matplotlib.figure import Figure
     ax = ax or Figure(figsize=(7, 4.5), dpi=120, layout="constrained").add_subplot()
     raw = [(lr, v) for lr, v in zip(result.lrs, result.losses, strict=True) if math.isfinite(v)]
@@ -394,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # pragma: no mutate end
-# --- internals: the plan, suggestions, files and the sweep ------------------------------------
+# --- internals: the plan, suggestions, files, batches and the sweep ----------------------------
 
 def _plan(optimizer, start_lr, end_lr, num_iter: int, step_mode: str) -> list[list[float]]:
     """Each step's lr per group: lists give each its own; one rate is the first's, the others in ratio."""
@@ -428,8 +397,19 @@ def _classify(optimizer: Any) -> tuple[str, str]:
     return ("adaptive" if signs else "sgd"), f"{name}: {', '.join(signs) or 'no betas, eps or etas'}"
 
 
-def _read(curve: SuggestionCurve, rules: dict[str, str],
-          stuck: str | None = None) -> tuple[dict[str, tuple[float | None, str]], str | None]:
+def _bounded(lrs: list[float], loss: list[float], first: int, lowest: int, problem) -> SuggestionCurve:
+    """A curve still falling at the end of a sweep that never blew up: read up to its rise, if any."""
+    fall, low = loss[first] - loss[lowest], first
+    for k in range(first, lowest):
+        low = k if loss[k] < loss[low] else low
+        if loss[first] - loss[low] >= fall / 2 and loss[k] - loss[low] >= fall / 4 > 0:
+            note = (f"the loss rose after {lrs[low]:.3g} and fell again, never blowing up (a bounded loss?): "
+                    "the rules read the curve up to that rise")
+            return SuggestionCurve(lrs, loss, first, low, False, problem, note)
+    return SuggestionCurve(lrs, loss, first, lowest, False, problem)
+
+
+def _read(curve: SuggestionCurve, rules: dict[str, str], stuck: str | None = None) -> tuple[dict, str | None]:
     """Each rule's pick (none for a ``stuck`` sweep), and why some found none, said in one warning."""
     picks = {name: (None if stuck or curve.problem else RULES[rule](curve), rule)
              for name, rule in rules.items()}
@@ -468,6 +448,17 @@ def _write_atomically(path: Path, data: bytes) -> Path:
     return path
 
 
+def _batches(loader, device: torch.device, undo: contextlib.ExitStack, pairs: bool) -> Iterator[Any]:
+    """The loader's batches, started again as often as needed; pairs of tensors on ``device`` as they come."""
+    batches = undo.enter_context(contextlib.closing(_cycle(loader)))  # DataLoader workers stop there
+    first = next(batches)
+    if isinstance(first, (list, tuple)) and len(first) == 2 and all(
+            isinstance(t, torch.Tensor) and t.device == device for t in first):
+        return itertools.chain([first], batches)
+    first = _pair(_to_device(first, device)) if pairs else _to_device(first, device)  # any other: moved whole
+    return itertools.chain([first], (_to_device(batch, device) for batch in batches))
+
+
 def _cycle(loader: Iterable[Any]) -> Iterator[Any]:  # a sweep longer than the loader starts it again
     for passes in itertools.count():
         served = 0
@@ -493,10 +484,10 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
-    """The default batch, an (inputs, targets) pair; any other is an error that names the hook."""
+def _pair(batch: Any) -> Any:
+    """``batch`` if it is the (inputs, targets) pair loss_fn needs; else an error that names the hook."""
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        return model(batch[0]), batch[1]
+        return batch
     what = type(batch).__name__ + (f" with keys {list(batch)}" if isinstance(batch, Mapping) else
                                    f" of {len(batch)}" if isinstance(batch, (list, tuple)) else "")
     raise ValueError(f"lr_find: loss_fn(model(inputs), targets) needs (inputs, targets) batches, got a "
@@ -504,18 +495,24 @@ def _outputs_and_targets(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
                      "as lambda model, batch: model(**batch).loss")
 
 
-def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]], device: torch.device,
-           progress: Callable[[int, float, float], None] | None, smooth: float, diverge: float,
-           min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
-    """``step(rates)`` per row of ``plan`` until the stop rule fires. On CUDA step i's losses go to pinned
-    rows[i], read a step later (_READ_LAG) once its event has passed: the GPU never drains to read a loss."""
-    cuda, lag = device.type == "cuda", _READ_LAG.get(device.type, 0)
+def _val_loss(model, val_loader, loss_of, normalizer, device, pairs: bool) -> torch.Tensor:
+    """The loss the curve reads with a val_loader: its mean over it, in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        window = [_to_device(batch, device) for batch in val_loader]
+        if not window:
+            raise ValueError("val_loader is empty: it yielded no batches")
+        divisor = len(window) if normalizer is None else sum(map(normalizer, window))
+        total = sum(loss_of(_pair(b) if pairs else b).detach().float() for b in window) / divisor
+    model.train()
+    return total.float()  # as the training loss is read
+
+
+def _late_reads(step, plan: list[list[float]], device: torch.device, lag: int) -> Iterator[list[float]]:
+    """``step`` per row of ``plan``, its losses read ``lag`` steps late: on CUDA the GPU never drains."""
+    cuda = device.type == "cuda"
     rows = torch.empty((len(plan), 2), dtype=torch.float32, pin_memory=cuda).unbind()  # no select a step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-    losses, train_losses, smoothed = [], [], []
-    # the moving average (before its bias correction), the lowest running median of five raw losses, and
-    average, floor, high_run = 0.0, math.inf, 0  # the raw losses in a row above diverge x that floor
-
     for i in range(len(plan) + lag):  # step i, then read step i - lag
         if i < len(plan):
             rows[i].copy_(step(plan[i]), non_blocking=cuda)
@@ -523,10 +520,17 @@ def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]],
                 events[i % 2].record(torch.cuda.current_stream(device))
         if i < lag:
             continue
-        n = i - lag  # the step read now
-        if cuda:
-            events[n % 2].synchronize()
-        loss, train_loss = rows[n].tolist()
+        if cuda:  # step i - lag's copy to the host has landed
+            events[(i - lag) % 2].synchronize()
+        yield rows[i - lag].tolist()
+
+
+def _sweep(reads: Iterator[list[float]], plan: list[list[float]], progress, smooth: float, diverge: float,
+           min_iter_before_stop: int) -> tuple[str, list[float], list[float], list[float]]:
+    """Each step's [curve loss, training loss] from ``reads``, until the stop rule (docs/lr_find.md) fires."""
+    losses, train_losses, smoothed = [], [], []
+    average, floor, high_run = 0.0, math.inf, 0  # the moving average, lowest median of 5, high raw losses
+    for n, (loss, train_loss) in enumerate(reads):
         if progress is not None:
             progress(n, plan[n][0], loss)
         losses.append(loss)
@@ -547,14 +551,12 @@ def _sweep(step: Callable[[list[float]], torch.Tensor], plan: list[list[float]],
 
 # --- internals: snapshot and restore ----------------------------------------------------------
 
-def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-              undo: contextlib.ExitStack) -> Callable[[], bool]:
-    """Keep for ``undo`` the modules', optimizers' and scaler's attributes, the param groups and every global
-    RNG a step may draw from. Returns what tells whether a trainable weight moved."""
+def _snapshot(model, optimizers: list[Any], scaler, undo: contextlib.ExitStack) -> Callable[[], bool]:
+    """Keep for ``undo`` all a step may change, global RNGs too; returns a test: did a trained weight move?"""
     undo.callback(model.zero_grad, set_to_none=True)  # run last, so on the parameters as put back
-    undo.callback(_chain(optimizer)[-1].zero_grad, set_to_none=True)
-    owners = [*model.modules(), *_chain(optimizer), *([scaler] if scaler is not None else [])]
-    values = _keep([*map(vars, owners), *optimizer.param_groups], undo)
+    undo.callback(optimizers[-1].zero_grad, set_to_none=True)
+    owners = [*model.modules(), *optimizers, *([scaler] if scaler is not None else [])]
+    values = _keep([*map(vars, owners), *optimizers[0].param_groups], undo)
     cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ()
     undo.enter_context(torch.random.fork_rng(cuda, device_type="cuda"))
     undo.callback(random.setstate, random.getstate())
@@ -565,8 +567,7 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: 
 
 
 def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For ``undo``: put back each dict in ``owners`` and in them, and each tensor's value into that very
-    tensor, so all who hold it see it (load_state_dict's new tensors would not). Returns (tensor, copy)s."""
+    """For ``undo``: put back these dicts, those in them, and tensors' values in place; (tensor, copy)s."""
     dicts, leaves, todo = {}, {}, list(owners)
     while todo:
         obj = todo.pop()
@@ -595,8 +596,7 @@ def _keep(owners: list[dict], undo: contextlib.ExitStack) -> list[tuple[torch.Te
 
 
 def _keep_loader(loader: Iterable[Any], undo: contextlib.ExitStack) -> Iterable[Any]:
-    """What the sweep iterates for ``loader``, whose samplers and generators ``undo`` puts back. Persistent
-    workers are left alone: the sweep iterates a copy whose workers stop with each pass."""
+    """The loader to sweep, its samplers' state kept for ``undo``; with persistent workers, a copy."""
     parts = [loader, getattr(loader, "sampler", None), batches := getattr(loader, "batch_sampler", None),
              getattr(batches, "sampler", None)]
     _keep([vars(o) for o in parts if hasattr(o, "__dict__")], undo)  # one named twice is kept once

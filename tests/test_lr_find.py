@@ -965,6 +965,22 @@ def test_batches_go_to_the_device_whole():
     assert moved["x"][0].is_meta and moved["x"][1][0].is_meta and not t.is_meta
 
 
+@pytest.mark.filterwarnings("ignore:lr_find. no suggestion")
+def test_pairs_of_tensors_on_the_device_are_taken_as_they_come(monkeypatch):
+    """python lr_find.py's batches, (inputs, targets) pairs of tensors already on the device: the first
+    decides, once, that no batch is moved; after any other first batch, each batch is."""
+    real, moved = lf._to_device, []
+    monkeypatch.setattr(lf, "_to_device", lambda batch, device: moved.append(batch) or real(batch, device))
+    model, optimizer, loader = probe_setup()
+    stream = (batch for _ in range(12) for batch in loader)
+    lf.lr_find(model, optimizer, F.mse_loss, stream, num_iter=12, end_lr=1e-2, diverge=1e9)
+    assert moved == []
+    dicts = [{"x": x, "y": y} for x, y in loader]
+    lf.lr_find(model, optimizer, None, dicts, batch_loss=lambda m, b: F.mse_loss(m(b["x"]), b["y"]),
+               num_iter=10, end_lr=1e-2, diverge=1e9)
+    assert sum(isinstance(batch, dict) for batch in moved) == 10, "each step's batch, moved whole"
+
+
 # --- results, warnings and messages ---------------------------------------------------------------
 
 
@@ -1037,7 +1053,7 @@ def test_the_last_rate_is_the_end_rate_exactly():
 
 
 def reference_curve(lrs: list[float], losses: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """suggestion_curve's smoothing as its docstring states it, in numpy: a running median of five
+    """suggestion_curve's smoothing as docs/lr_find.md states it, in numpy: a running median of five
     (of three, then the point itself, towards the ends), then a Gaussian in log10(lr) with sigma =
     max(0.25 decades, 1.5 x the median spacing), cut at four sigmas; slopes are central differences
     (one-sided at the ends) per decade."""
