@@ -7,6 +7,7 @@ at setup: what is off is never entered. Several GPUs: `torchrun --nproc_per_node
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 import task as default_task
-from configs import Config, UserError, parse_given
+from configs import Config, UserError, command_line, parse_given
 from data import DATASETS
 from machinery import checkpoints, logs, processes, run_folder, stops
 from machinery.batches import build_loaders
@@ -65,17 +66,16 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # ---- Setup: the config (a resume's), this process's place, the rate, the run folder (claimed).
     cfg, resumed = run_folder.resume(cfg, given, task, CHOICES)  # resumed: None for a new run
     process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)  # alone, or torchrun's
-    device = process.device
-    lr = float(cfg.lr) if cfg.lr != "auto" else auto_lr(cfg, task)
+    lr, lr_note = chosen_lr(cfg, given, task)  # the note: the default rate on other data than digits
     out_dir = run_folder.claim(Path(cfg.out_dir), resumed, process)
 
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
-    batches, info, model = setup(cfg, task, device, shard=process.shard, fresh=resumed is None)
-    amp_dtype, scaler = amp_setup(device, cfg.amp)  # bf16 where the GPU has it, else fp16 with a GradScaler
+    batches, info, model = setup(cfg, task, process.device, shard=process.shard, fresh=resumed is None)
+    amp_dtype, scaler = amp_setup(process.device, cfg.amp)  # bf16 where the GPU has it, or fp16 + a scaler
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, info.batches)
     ema = averaged(model, cfg.ema) if cfg.ema else None  # evaluation and best.pt use it; never trained
-    process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer)
+    process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema)
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
     states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
@@ -88,7 +88,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # ---- Outputs: the logs --log-to names (rank 0), the resolved config, and what this run is, said once.
     log = logs.Logs(out_dir, cfg, lr, resumed=resumed, active=process.rank == 0)  # first: --log-to's packages
     process.on_rank0(write_json_atomic, out_dir / "config.json", {**cfg.to_dict(), "lr": lr})
-    logs.announce(cfg, task, info, log.moved, (model, process, amp_dtype, lr, total_steps))
+    logs.announce(cfg, task, info, log.moved, (model, process, amp_dtype, lr, total_steps, lr_note))
 
     def checkpoint() -> dict:  # every state to continue bit for bit from `progress`
         run = {**asdict(progress), "seconds_before": progress.seconds_before + time.perf_counter() - started}
@@ -101,81 +101,82 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     started, speed, weights, val = time.perf_counter(), logs.Speed(), {}, None
-    losses, counts = resumed.unlogged(device) if resumed else ([], [])  # since the last log point
-    stop = stops.Stops(out_dir, progress, checkpoint, log, process)
-    with log, run_folder.holding(out_dir), batches, stop:  # no epochs left: a resume of a run's end
-        for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
-            bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
-            stream = batches.train.epoch(epoch, progress.batch)
-            speed.start(progress.batch)
-            while progress.batch < info.batches:
-                # accum_steps micro-batches a step, each loss weighted as in one batch k x N large
-                window = [next(stream) for _ in range(min(cfg.accum_steps, info.batches - progress.batch))]
-                normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
-                weight = step_weight(normalizers, process, weights)
-                stop.begin_step()
-                for micro_step, (inputs, targets) in enumerate(window):
-                    with process.gradient_sync(ddp_model, micro_step == len(window) - 1):  # the last's only
-                        with autocast(device, amp_dtype):
-                            loss = task.loss(ddp_model(inputs), targets, cfg, info)
-                        # backward from `weight` rather than 1: loss x weight's gradients, no multiply
-                        (scaler.scale(loss) if scaler else loss).backward(weight)
-                    losses.append(loss.detach())
-                    if progress.start_loss is None:  # a fresh run's first batch: the divergence yardstick
-                        progress.start_loss = (losses[0] / normalizers[0]).item()
-                        log.images({"inputs": task.input_picture(
-                            inputs, targets, info.names, batches.train.to_pixels)}, 0)
-                counts += normalizers
+    losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
+    with log, run_folder.holding(out_dir), batches:  # held, and open, until summary.json is written
+        with stops.Stops(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
+            for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
+                bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
+                stream = batches.train.epoch(epoch, progress.batch)
+                speed.start(progress.batch)
+                while progress.batch < info.batches:
+                    # accum_steps micro-batches a step, each loss weighted as in one batch k x N large
+                    window = [*itertools.islice(stream, min(cfg.accum_steps, info.batches - progress.batch))]
+                    normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
+                    weight = step_weight(normalizers, process, weights)
+                    stop.begin_step()
+                    for micro_step, (inputs, targets) in enumerate(window):
+                        with process.gradient_sync(ddp_model, micro_step == len(window) - 1):  # the last's
+                            with autocast(process.device, amp_dtype):
+                                loss = task.loss(ddp_model(inputs), targets, cfg, info)
+                            # backward from `weight` rather than 1: loss x weight's gradients, no multiply
+                            (scaler.scale(loss) if scaler else loss).backward(weight)
+                        losses.append(loss.detach())
+                        if progress.start_loss is None:  # a fresh run's first batch: the divergence yardstick
+                            progress.start_loss = (losses[0] / normalizers[0]).item()
+                            log.images({"inputs": task.input_picture(
+                                inputs, targets, info.names, batches.train.to_pixels)}, 0)
+                    counts += normalizers
 
-                # The step, the schedule's after it only if it happened (fp16: skipped on inf); no sync
-                rate = optimizer.param_groups[0]["lr"]  # this step's, logged at the log point
-                if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
-                    progress.averaged += 1
-                    ema.update(progress.averaged)
-                optimizer.zero_grad(set_to_none=free_gradients)
-                progress.step += 1
-                progress.batch += len(window)
+                    # The step, the schedule's after it only if it happened (fp16: skipped on inf); no sync
+                    step_lr = optimizer.param_groups[0]["lr"]  # this step's, shown at the log point
+                    if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
+                        progress.averaged += 1
+                        ema.update(progress.averaged)
+                    optimizer.zero_grad(set_to_none=free_gradients)
+                    progress.step += 1
+                    progress.batch += len(window)
 
-                # Log points, every log_every steps and at the epoch's end: the only reads of the device
-                log_point = progress.step % cfg.log_every == 0 or progress.batch == info.batches
-                if log_point:
-                    train_loss = (torch.stack(losses).sum() / sum(counts)).item()
-                    losses, counts = [], []
-                    log.write(("train/loss", progress.step, train_loss), ("train/lr", progress.step, rate))
-                    bar.update(progress.batch - bar.n)
-                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
-                    stop.check_divergence(train_loss)
-                if cfg.save_every and progress.step % cfg.save_every == 0:
-                    stop.save()
-                stop.stop_if_signalled(log_point)  # Ctrl-C, SIGTERM, ...: saved, then one line
-            bar.close()
+                    # Log points, every log_every steps and at the epoch's end: the only reads of the device
+                    log_point = progress.step % cfg.log_every == 0 or progress.batch == info.batches
+                    if log_point:
+                        train_loss = (torch.stack(losses).sum() / sum(counts)).item()
+                        losses, counts = [], []
+                        log.write(("train/loss", progress.step, train_loss), ("train/lr", progress.step,
+                                                                              step_lr))
+                        bar.update(progress.batch - bar.n)
+                        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{step_lr:.3g}")
+                        stop.check_divergence(train_loss)
+                    if cfg.save_every and progress.step % cfg.save_every == 0:
+                        stop.save()
+                    stop.stop_if_signalled(log_point)  # Ctrl-C, SIGTERM, ...: saved, then one line
+                bar.close()
 
-            # ---- Epoch end: rank 0's BatchNorm statistics on every rank, evaluate, best.pt, save.
-            process.share([*model.buffers(), *(ema.average.buffers() if ema else [])])
-            pace = speed.end(info.batches, cfg.batch_size, device, info.images)
-            val = evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # --ema: the average
-            logs.log_evaluation(val, task, info.names, batches.val, progress.step, log)
-            line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{pace}"
-            stop.check_val_loss(val.metrics["loss"], line)  # not finite: the line, then the stop's
-            stop.save(best=progress.evaluated(val.metrics[task.MAIN_METRIC], task, cfg))  # last.pt, best.pt
-            processes.say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
-            if progress.stopped:
-                processes.say(f"early stop after epoch {epoch + 1}/{cfg.epochs}: {progress.stopped}; best.pt "
-                              f"holds the best val {task.MAIN_METRIC}")
-                break
-            stop.stop_if_signalled(True)  # a signal in the evaluation: saved just now
+                # ---- Epoch end: rank 0's BatchNorm statistics on every rank, evaluate, best.pt, save.
+                process.share([*model.buffers(), *(ema.average.buffers() if ema else [])])
+                pace = speed.end(info.batches, cfg.batch_size, process.device, info.images)
+                val = evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # --ema: average
+                logs.log_evaluation(val, task, info.names, batches.val, progress.step, log)
+                line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{pace}"
+                stop.check_val_loss(val.metrics["loss"], line)  # not finite: the line, then the stop's
+                stop.save(best=progress.evaluated(val.metrics[task.MAIN_METRIC], task, cfg))  # best.pt too?
+                processes.say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
+                if progress.stopped:
+                    processes.say(f"early stop after epoch {epoch + 1}/{cfg.epochs}: {progress.stopped}; "
+                                  f"best.pt holds the best val {task.MAIN_METRIC}")
+                    break
+                stop.stop_if_signalled(True)  # a signal in the evaluation: saved just now
 
-    # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt; summary.
-    in_sync = process.agree(model) and (not ema or process.agree(ema.average))
-    val = val or evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # resumed at its end
-    test = None if batches.test is None else evaluate(  # after agree(): best.pt's weights replace these
-        load_best(evaluated, evaluation, out_dir / "best.pt", process), batches.test, task, cfg, info,
-        amp_dtype, process)
-    logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
-    summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
-        "epochs": cfg.epochs, "examples_per_second": speed.steady(), "lr": lr, "device": str(device),
-        "world_size": process.world_size, "ranks_in_sync": in_sync, **info.sizes()})
-    process.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, log)
+        # ---- The end: do the ranks agree; the test split, which chose nothing, once through best.pt.
+        in_sync = process.agree(model) and (not ema or process.agree(ema.average))
+        val = val or evaluate(evaluation, batches.val, task, cfg, info, amp_dtype, process)  # a resumed end
+        test = None if batches.test is None else evaluate(  # after agree(): best.pt's weights replace these
+            load_best(evaluated, evaluation, out_dir / "best.pt", process), batches.test, task, cfg, info,
+            amp_dtype, process)
+        logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
+        summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
+            "epochs": cfg.epochs, "examples_per_second": speed.steady(), "device": str(process.device),
+            "lr": lr, "world_size": process.world_size, "ranks_in_sync": in_sync, **info.sizes()})
+        process.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, log)
     return summary
 
 
@@ -209,11 +210,18 @@ def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, no
                          accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // process.world_size)
 
 
-def auto_lr(cfg: Config, task) -> float:
-    """--lr auto: lr_find.json's suggestion, where its sweep measured this setup (machinery/lr_auto.py)."""
-    from machinery.lr_auto import resolve_lr
+def chosen_lr(cfg: Config, given: dict | None, task) -> tuple[float, str | None]:
+    """The rate a run trains with; where it is the default and the data not digits, a note that says so."""
+    if cfg.lr == "auto":  # lr_find.json's suggestion, where its sweep measured this setup
+        from machinery.lr_auto import resolve_lr
 
-    return resolve_lr(cfg, task, OPTIMIZERS)
+        return resolve_lr(cfg, task, OPTIMIZERS), None
+    if given is None or "lr" in given or cfg.resume or cfg.dataset == Config.dataset:
+        return float(cfg.lr), None
+    refind = command_line("lr_find.py", cfg, leave_out=("lr", "epochs", "log_every", "save_every"))
+    said = (f"lr {cfg.lr:g} is the default, chosen for {Config.dataset}: on {cfg.dataset} it may train far "
+            f"worse; measure this data's with `{refind}`, then train with --lr auto")
+    return float(cfg.lr), said
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
@@ -262,13 +270,14 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
     """One pass over a split's batches through the task's tally, kept on their device and read once at the
     end: under torchrun each process tallies its shard, and `across` (the process) sums, or gathers what a
     metric needs whole, over them."""
+    training = model.training
     model.eval()
     tally = task.Tally(cfg, info, batches.device)
     for inputs, targets in batches.epoch(0):
         with autocast(batches.device, amp_dtype):
             outputs = model(inputs)
         tally.add(outputs, targets, inputs)
-    model.train()
+    model.train(training)  # as it was: an --ema average stays in eval mode
     return tally.result(across)
 
 

@@ -195,18 +195,19 @@ def quiet_tensorboard_thread() -> None:
 
 def announce(cfg: Config, task, info, moved: Path | None, trains: tuple) -> None:
     """What this run's data is, with what was checked and changed (`moved`: where an earlier run's logs
-    went), and what trains (`trains`: the model, the process, AMP's dtype, the rate, the steps), said once."""
+    went), and what trains (`trains`: the model, the process, AMP's dtype, the rate, the steps, a note on the
+    rate), said once."""
     test = "" if info.test_size is None else f" / {info.test_size} test"
     inputs = info.members or "x".join(map(str, info.input_shape))  # several: each one's shape and dtype
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs {inputs}, "
         f"{len(info.names)} outputs, via {info.loader}")
     moved = moved and f"TensorBoard logs of an earlier run moved to {moved}"
     say(*filter(None, [*info.notes, task.pictures_note(info.images), moved]))
-    model, process, amp_dtype, lr, total_steps = trains
+    model, process, amp_dtype, lr, total_steps, lr_note = trains
     processes = f" x{process.world_size} processes" if process.world_size > 1 else ""
     say(f"{cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) on {process.device}"
         f"{processes}, amp {amp_dtype or 'off'}, {cfg.schedule} schedule, lr {lr:.4g}, {total_steps} "
-        "optimizer steps")
+        "optimizer steps", *filter(None, [lr_note]))
 
 
 def progress_bar(total: int, done: int, desc: str) -> tqdm:

@@ -15,10 +15,7 @@ def report_evaluation(task, val, report: dict, pictures: dict, out_dir: Path) ->
     """evaluate.py's report (its evaluate_checkpoint builds it): printed, and written as eval.json and
     eval_<picture>.png."""
     split = report["split"]
-    try:
-        said = task.describe(val, split)
-    except TypeError:  # a task.py forked before describe() took the split: its words, with the split's name
-        said = task.describe(val).replace("val ", f"{split} ")
+    said = task.describe(val, split)
     print(f"{report['checkpoint']} on the {report[f'{split}_size']} {report['dataset']} {split} examples: "
           f"{said}")
     for line in task.report(val):

@@ -61,8 +61,6 @@ class Torchrun:
         dist.all_reduce(tensor)
         return tensor
 
-    __call__ = sum  # a Tally.result(reduce) calls it
-
     def gather(self, rows):
         """Every process's rows (a tensor, or a tuple or dict of them) as the split's, in its order."""
         return each(lambda _, t: _gathered(t), rows)

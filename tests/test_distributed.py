@@ -106,7 +106,7 @@ SMALL = ["--width", "4", "--device", "cpu", "--num-workers", "0", "--batch-size"
 def evaluated(rank: int, world_size: int) -> dict:
     """train.evaluate of fixed, untrained models on the val split of digits (this process's shard): the
     default task's figures, most confidently wrong images and their picture; multilabel.py's, a fork whose
-    Tally.result takes `reduce` and sums; and the gather of each rank's example numbers."""
+    Tally.result sums; and the gather of each rank's example numbers."""
     data.DATASETS.update(entries("multilabel_data")[0])
     mine = torch.arange(rank, 7, world_size)  # 7 examples: ranks hold 4 and 3
     process = Torchrun(torch.device("cpu")) if world_size > 1 else processes.ALONE  # as train() picks it
@@ -135,8 +135,8 @@ def evaluation_worker(rank: int, store: str, out_dir: str) -> None:
 def test_two_processes_evaluate_the_whole_split_and_show_its_most_confidently_wrong(tmp_path):
     """Two gloo processes, each its shard of val (ranks hold examples r, r + 2, ...): the figures are one
     process's on the whole split, the wrong images the split's 16 most confident (not rank 0's), and a
-    fork's Tally.result(reduce) written before gather sums as it did. Gathered rows come back in the
-    split's order, bool and dict members too."""
+    fork's Tally.result that sums alone sums over both. Gathered rows come back in the split's order, bool
+    and dict members too."""
     torch.multiprocessing.spawn(evaluation_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
                                 join=True)
     whole = evaluated(0, 1)

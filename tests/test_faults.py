@@ -615,3 +615,16 @@ def test_the_divergence_guard_reads_the_device_only_at_log_points(tmp_path, monk
                                             "--out-dir", str(tmp_path / str(batch_size))]))
         counts[summary["steps"]] = len(reads)
     assert list(counts) == [10, 20] and counts[10] == counts[20], counts
+
+
+@fault
+def test_free_space_is_sized_for_a_save_at_its_peak(tmp_path, monkeypatch, capsys):
+    """Issue 54, 17: last.pt, best.pt and the temporary file written beside them (with --ema, its average
+    in each): room for one last.pt alone is refused at start-up, before any file."""
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--ema", "0.9", "--out-dir", tmp_path / "sized")
+    assert code == 0, err
+    one = (tmp_path / "sized" / "last.pt").stat().st_size
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=int(1.5 * one)))
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--ema", "0.9", "--out-dir", tmp_path / "tight")
+    line = assert_one_line_failure(code, out, err)
+    assert "and a save up to" in line and not list((tmp_path / "tight").glob("*.pt"))

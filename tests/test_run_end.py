@@ -116,3 +116,25 @@ def test_an_early_stopped_run_without_its_summary_finishes_without_training(tmp_
     assert code == 0 and err == "" and "epoch 3/4" not in out, (code, out, err)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert the_result(summary) == the_result(ended) and summary["examples_per_second"] is None
+
+
+def test_the_folder_is_held_and_the_loaders_open_until_summary_json_is_written(tmp_path, monkeypatch):
+    """Issue 54, 11: the run folder's lock stays until summary.json is written (another run could claim the
+    folder in between), and the val and test splits are served before their batches close: a split read by
+    DataLoader workers started persistent workers that nothing stopped."""
+    import multiprocessing
+
+    from machinery import logs
+
+    held, real = [], logs.write_summary
+
+    def write_summary(summary, cfg, *args):
+        held.append((tmp_path / ".lock").is_file())
+        return real(summary, cfg, *args)
+
+    monkeypatch.setattr(logs, "write_summary", write_summary)
+    argv = [*TINY, "--loader", "dataloader", "--num-workers", "1", "--epochs", "1", "--out-dir",
+            str(tmp_path)]
+    summary = train.train(parse_config(argv))
+    assert held == [True] and summary["test_acc"] is not None
+    assert not (tmp_path / ".lock").exists() and multiprocessing.active_children() == []

@@ -255,3 +255,64 @@ def test_amp_accumulation_and_loader_variants_run(tmp_path, capsys, probe, extra
         assert max(norms) > 10 * CLIP, norms  # what the clipped run would have stepped with
     loader = "DataLoader with 0 workers" if "dataloader" in extra else "device-resident"
     assert f"via {loader}" in capsys.readouterr().out
+
+
+def test_evaluate_leaves_the_model_in_the_mode_it_had(tmp_path):
+    """Issue 54, 13: an --ema average (eval mode, never trained) stays in eval mode after each evaluation;
+    the model being trained goes back to train mode."""
+    from conftest import build_loaders
+
+    import task
+
+    cfg = parse_config(["--dataset", "synthetic", "--synthetic-size", "32", "--image-size", "8", "--width",
+                        "4", "--batch-size", "8", "--device", "cpu"])
+    _, val, _, info = build_loaders(cfg)
+    model = models.build_model(cfg, 3, len(info.names))
+    for training in (False, True):
+        model.train(training)
+        train.evaluate(model, val, task, cfg, info, None)
+        assert model.training is training
+
+
+def test_the_progress_bar_shows_the_rate_tensorboard_logs(tmp_path, monkeypatch):
+    """Issue 54, 16: at each log point the bar shows the rate of the step just taken, the one logged as
+    train/lr (it showed the next step's)."""
+    from machinery import logs
+
+    shown = []
+
+    class Bar:
+        n = 0
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **values):
+            shown.append(float(values["lr"]))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(logs, "progress_bar", lambda *args: Bar())
+    run_train(tmp_path, "--dataset", "synthetic", "--synthetic-size", "64", "--image-size", "8", "--width",
+              "4", "--batch-size", "16", "--epochs", "2", "--log-every", "1")
+    logged = [value for _, value in read_scalars(tmp_path)["train/lr"]]
+    assert len(shown) == len(logged) == 8 and shown == pytest.approx(logged, rel=1e-3)  # shown to 3 figures
+
+
+def test_the_default_rate_on_other_data_than_digits_says_so_once(tmp_path, monkeypatch, capsys):
+    """Issue 54, 19: a run on other data with the default --lr (chosen for digits) says so at start-up, with
+    the lr_find.py command for this data; a rate given, or digits, says nothing of it."""
+    from conftest import run_main
+
+    tiny = ["--dataset", "synthetic", "--synthetic-size", "32", "--image-size", "8", "--width", "4",
+            "--batch-size", "16", "--epochs", "1"]
+    for extra, said in (([], True), (["--lr", "0.1"], False)):
+        code, out, _ = run_main(monkeypatch, capsys, *tiny, *extra, "--out-dir", tmp_path / str(said))
+        assert code == 0 and ("is the default, chosen for digits" in out) is said
+        if said:
+            line = next(line for line in out.splitlines() if "chosen for digits" in line)
+            assert "`python lr_find.py --dataset synthetic" in line and line.endswith("--lr auto")
+    code, out, _ = run_main(monkeypatch, capsys, "--epochs", "1", "--batch-size", "512", "--width", "4",
+                            "--out-dir", tmp_path / "digits")
+    assert code == 0 and "chosen for digits" not in out

@@ -140,17 +140,3 @@ def test_a_dataloader_worker_says_nothing_of_the_connection_a_stopping_main_proc
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "ConnectionResetError" not in done.stderr, done.stderr
     assert "ValueError: a real one" in done.stderr
-
-
-def test_an_older_forks_describe_still_names_the_split(tmp_path, capsys):
-    """A task.py forked before describe() took the split (describe(val) alone) still gets a report on the
-    test split that says "test", not a TypeError."""
-    from types import SimpleNamespace
-
-    from machinery import reports
-
-    old = SimpleNamespace(describe=lambda val: f"val loss {val.metrics['loss']:.2f}", report=lambda val: [],
-                          SAVED_PICTURES=())
-    report = {"checkpoint": "best.pt", "split": "test", "test_size": 4, "dataset": "csv"}
-    reports.report_evaluation(old, SimpleNamespace(metrics={"loss": 0.5}), report, {}, tmp_path)
-    assert "best.pt on the 4 csv test examples: test loss 0.50" in capsys.readouterr().out

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from machinery.processes import ALONE
+
 NAME = "binned"
 METRICS = ("loss", "acc")
 TARGETS = "any"  # [N] floats, read here as bins
@@ -51,8 +53,8 @@ class Tally:
         self.sums[1] += (outputs.argmax(1) == bins(targets)).sum()
         self.sums[2] += len(targets)
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        total, right, count = reduce(self.sums).tolist()
+    def result(self, across=ALONE) -> Evaluation:
+        total, right, count = across.sum(self.sums).tolist()
         return Evaluation({"loss": total / count, "acc": right / count})
 
 

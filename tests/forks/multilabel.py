@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from machinery.logs import image_grid
+from machinery.processes import ALONE
 
 NAME = "multilabel"
 METRICS = ("loss", "f1")
@@ -55,8 +56,8 @@ class Tally:
         self.sums[2 + n:2 + 2 * n] += (predicted & ~truth).sum(0)
         self.sums[2 + 2 * n:] += (~predicted & truth).sum(0)
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        values, n = reduce(self.sums).tolist(), len(self.names)
+    def result(self, across=ALONE) -> Evaluation:
+        values, n = across.sum(self.sums).tolist(), len(self.names)
         tp, fp, fn = (values[2 + k * n: 2 + (k + 1) * n] for k in range(3))
         f1 = 2 * sum(tp) / max(2 * sum(tp) + sum(fp) + sum(fn), 1)
         per_label = {name: 2 * t / max(2 * t + p + m, 1) for name, t, p, m in zip(self.names, tp, fp, fn,

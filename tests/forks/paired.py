@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from machinery.processes import ALONE
+
 NAME = "paired"
 METRICS = ("loss", "acc", "distance")
 TARGETS = "any"  # (levels, bins): a tuple, batched as a tuple
@@ -52,8 +54,8 @@ class Tally:
         self.sums[2] += ((guessed + 0.5) / BINS - levels).abs().sum()
         self.sums[3] += len(levels)
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        total, right, distance, count = reduce(self.sums).tolist()
+    def result(self, across=ALONE) -> Evaluation:
+        total, right, distance, count = across.sum(self.sums).tolist()
         return Evaluation({"loss": total / count, "acc": right / count, "distance": distance / count})
 
 

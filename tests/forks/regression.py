@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from machinery.logs import image_grid
+from machinery.processes import ALONE
 
 NAME = "regression"
 METRICS = ("loss", "mae")
@@ -53,8 +54,8 @@ class Tally:
         self.sums[2] += len(targets)
         self.sums[3:] += error.abs().sum(0)
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        squared, absolute, count, *per_output = reduce(self.sums).tolist()
+    def result(self, across=ALONE) -> Evaluation:
+        squared, absolute, count, *per_output = across.sum(self.sums).tolist()
         each = {name: value / count for name, value in zip(self.names, per_output, strict=True)}
         return Evaluation({"loss": squared / count, "mae": absolute / count}, {"mae_per_output": each})
 

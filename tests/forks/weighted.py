@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from machinery.processes import ALONE
+
 NAME = "weighted"
 TARGETS = "classes"
 METRICS = ("loss", "balanced_acc")
@@ -57,8 +59,8 @@ class Tally:
         right = (outputs.argmax(1) == targets).float()
         self.sums[2 + n:].index_add_(0, targets, right)
 
-    def result(self, reduce=lambda sums: sums) -> Evaluation:
-        values, n = reduce(self.sums).tolist(), len(self.names)
+    def result(self, across=ALONE) -> Evaluation:
+        values, n = across.sum(self.sums).tolist(), len(self.names)
         recalls = [r / c for c, r in zip(values[2:2 + n], values[2 + n:], strict=True) if c]
         return Evaluation({"loss": values[0] / values[1], "balanced_acc": sum(recalls) / len(recalls)})
 
