@@ -20,7 +20,7 @@ import task as default_task
 from configs import Config, UserError, command_line, parse_given
 from data import DATASETS
 from machinery import checkpoints, logs, processes, run_folder, stops
-from machinery.batches import build_loaders
+from machinery.batches import build_plain, plain
 from machinery.contract import check_model
 from machinery.files import write_json_atomic
 from machinery.processes import amp_setup, autocast
@@ -193,6 +193,17 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
     info.notes.append(check_model(model, batches.train, task, cfg, info))
     return batches, info, model
+
+
+def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs, shard=(0, 1),
+                  follow=None) -> tuple:
+    """The data path, chosen once: one tensor a split on the device (machinery/batches.py), or any other data
+    (machinery/served.py: several inputs, host memory, workers, targets a task's hook moves)."""
+    if plain(cfg, source, device, follow):
+        return build_plain(cfg, source, device, targets=targets, needs=needs, shard=shard)
+    from machinery.served import build_served
+
+    return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow)
 
 
 def averaged(model: torch.nn.Module, decay: float):

@@ -121,9 +121,9 @@ def measure(device: torch.device, count: int, repeats: int) -> dict:
     epoch by a 2-worker DataLoader."""
     from configs import parse_config
     from data import image_folder
-    from machinery.batches import build_loaders
     from machinery.served import Batches
     from models import input_needs
+    from train import build_loaders
 
     def loaders(*extra: str):
         cfg = parse_config([*TEMPLATE, "--data-dir", str(root), "--device", str(device), "--batch-size",

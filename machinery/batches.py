@@ -1,7 +1,7 @@
 """Batches on the training device, in the common case: one input tensor and one target tensor a split, held on
 the device and served in whole batches (airbench-style), images (uint8 [N, C, H, W]) cropped, flipped and
 normalized there. Each epoch's order and crops come from a (seed, epoch) generator: a resumed run or a
-torchrun rank sees what it would have. Other data is served by served.py, chosen at setup (build_loaders)."""
+torchrun rank sees what it would have. Other data is served by served.py (train.build_loaders chooses)."""
 
 from __future__ import annotations
 
@@ -126,12 +126,13 @@ def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pa
 
 class DeviceBatches:
     """A split on the device, one input tensor and one target tensor: `epoch(e, start)` yields this rank's
-    batches of epoch e from `start` (training drops a partial last one). `image`: None for no images."""
+    batches of epoch e from `start` (training drops a partial last one). `image`: None for no images;
+    `dense`: per-pixel targets, cropped and flipped with their images."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, serving: Serving, *, train: bool,
-                 image: ImageSteps | None = None, class_ids: torch.Tensor | None = None):
+                 image: ImageSteps | None = None, class_ids: torch.Tensor | None = None, dense: bool = False):
         self.inputs, self.targets, self.serving, self.train = inputs, targets, serving, train
-        self.image, self.class_ids, self.device = image, class_ids, serving.device
+        self.image, self.class_ids, self.dense, self.device = image, class_ids, dense, serving.device
         self.num_examples = len(targets)
         if image is not None:
             self.scale, self.shift = image.scale_shift(self.device)
@@ -158,9 +159,12 @@ class DeviceBatches:
         for i in range(start, len(self)):
             window = slice(i * size, (i + 1) * size)
             rows = order[window]
-            inputs = self.inputs[rows] if not (pad or flip) else augment(
-                self.inputs[rows], offsets[window], flips[window], pad)
-            yield self.prepared(inputs), self.targets[rows]
+            inputs, targets = self.inputs[rows], self.targets[rows]
+            if pad or flip:
+                inputs = augment(inputs, offsets[window], flips[window], pad)
+            if self.dense and (pad or flip):  # each pixel's target moves with it; the padding counts for none
+                targets = augment(targets, offsets[window], flips[window], pad, fill=contract.IGNORE_INDEX)
+            yield self.prepared(inputs), targets
 
     def prepared(self, inputs: torch.Tensor) -> torch.Tensor:
         """A batch as the model takes it: images float32 (resized to the model's size), normalized."""
@@ -212,24 +216,24 @@ class Splits:
                 batches.close()
 
 
-def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs,
-                  shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
-    """Train, val and test batches of `source` (data.Source) for this process (`shard`: rank, of how many),
-    their targets checked as the task takes them (`targets`: task.TARGETS; moved with crops by `follow`,
-    task.augmented_targets), images fitted to what the model `needs`."""
-    splits, spec = contract.checked_sizes(cfg, source, shard[1]), None
-    plain = follow is None and all(isinstance(pair, tuple) and all(isinstance(t, torch.Tensor) for t in pair)
-                                   for pair in splits.values()) and on_device(cfg.loader, splits, device)
-    example = splits["train"][0][0] if plain else None
-    image = plain and example.dtype == torch.uint8 and example.ndim == 3
-    if plain:  # the targets' check; per-pixel ones are those of the images' (H, W)
-        spec, said = contract.check_splits(splits, list(source.names), targets, example.shape[-2:] if image
-                                           else None, None)
-    if not plain or spec.dense:  # several inputs, a Dataset, host memory, targets that move: served.py's
-        from machinery.served import build_served
+def plain(cfg: Config, source, device: torch.device, follow) -> bool:
+    """Whether DeviceBatches serves this data (train.build_loaders chooses): each split one input tensor and
+    one target tensor, held on the device, their targets moved by no task's hook."""
+    pairs = [pair for pair in (source.train, source.val, source.test) if pair is not None]
+    return follow is None and all(isinstance(pair, tuple) and len(pair) == 2 and all(
+        isinstance(t, torch.Tensor) for t in pair) for pair in pairs) and on_device(cfg.loader, pairs, device)
 
-        return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow,
-                            checked=spec and (splits, spec, said))
+
+def build_plain(cfg: Config, source, device: torch.device, *, targets: str, needs,
+                shard: tuple[int, int] = (0, 1)) -> tuple[Splits, DataInfo]:
+    """Train, val and test batches of `source` (data.Source, plain()) for this process (`shard`: rank, of how
+    many), their targets checked as the task takes them (`targets`: task.TARGETS), images fitted to what the
+    model `needs`."""
+    splits = contract.checked_sizes(cfg, source, shard[1])
+    example = splits["train"][0][0]
+    image = example.dtype == torch.uint8 and example.ndim == 3
+    size = example.shape[-2:] if image else None  # per-pixel targets have the images' (H, W)
+    spec, said = contract.check_splits(splits, list(source.names), targets, size, None)
     notes = list(source.notes)
     steps = image_steps(cfg, source, splits["train"][0], needs, notes) if image else None
     note = contract.image_steps_note(steps, spec, cfg) if image else contract.plain_inputs(cfg, source, needs,
@@ -238,8 +242,8 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
     contract.check_balance(cfg, spec)
     serving = Serving(cfg.batch_size // shard[1], device, cfg.seed, *shard)
     served = {split: DeviceBatches(inputs.to(device), labels.to(device), serving, train=split == "train",
-                                   image=steps, class_ids=spec.class_ids if cfg.balance_classes else None)
-              for split, (inputs, labels) in splits.items()}
+                                   image=steps, class_ids=spec.class_ids if cfg.balance_classes else None,
+                                   dense=spec.dense) for split, (inputs, labels) in splits.items()}
     notes += contract.epoch_checks(cfg, served["train"], shard[1])
     reading = steps and {"size": example.shape[-1], "resize": steps.resize, "channels": example.shape[0],
                          "mean": steps.mean.tolist(), "std": steps.std.tolist()}
@@ -255,14 +259,14 @@ def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, ne
 DEVICE_MEMORY_SHARE = 0.25  # of a GPU's free memory: the rest is the model's and its activations'
 
 
-def on_device(loader: str, splits: dict, device: torch.device) -> bool:
+def on_device(loader: str, pairs: list, device: torch.device) -> bool:
     """Whether the tensors stay on the training device: always on a CPU (or MPS); on a GPU where they fit
     DEVICE_MEMORY_SHARE of its free memory (else served.py gathers batches in host memory)."""
     if loader not in ("auto", "device", "host") or (loader == "host" and device.type == "cuda"):
         return False
     if device.type != "cuda" or loader == "device":
         return True
-    needed = sum(t.nbytes for pair in splits.values() for t in pair)
+    needed = sum(t.nbytes for pair in pairs for t in pair)
     return needed <= DEVICE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]
 
 
@@ -280,8 +284,26 @@ def image_steps(cfg: Config, source, images: torch.Tensor, needs, notes: list[st
                         f"{channels}: give one mean and std per channel, or stats=None")
     resize, (mean, std) = 0, stats
     if needs.size or needs.mean:  # a torchvision model's input size, --pretrained weights' normalization
-        from machinery.served import fit_images
-
         resize, mean, std = fit_images(cfg, needs, (channels, images.shape[-1]), stats, notes)
     return ImageSteps(torch.as_tensor(mean), torch.as_tensor(std), source.pad if cfg.augment else 0,
                       source.flip and cfg.flip and cfg.augment, cfg.channels_last, resize)
+
+
+def fit_images(cfg: Config, needs, shape: tuple[int, int], stats: tuple, notes: list[str]
+               ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The side images of shape (channels, size) are resized to for a torchvision cfg.model (0: none), and
+    the mean and std they are normalized with (`stats`, or --pretrained weights'), said in `notes`."""
+    (channels, size), (mean, std), resize = shape, stats, 0
+    if needs.size and (size != needs.size if needs.exact else size < needs.size):
+        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
+        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
+            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
+        resize = needs.size
+        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
+                     f"{resize} on the device")
+    if needs.mean:  # --pretrained: the normalization the weights were trained with
+        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
+        if channels != 3:
+            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
+        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
+    return resize, mean, std

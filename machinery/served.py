@@ -2,7 +2,7 @@
 machinery/inputs.py), tensors in host memory gathered into pinned batches for a GPU, a Dataset (image files
 too many to hold, a fork's) read by DataLoader workers, image files decoded once (image_cache.py), and
 targets that move with crops (per pixel, or by task.augmented_targets). The same epochs, crops, flips and
-shards as DeviceBatches, bit for bit (tests/test_data.py), chosen at setup by batches.build_loaders."""
+shards as DeviceBatches, bit for bit (tests/test_data.py), chosen at setup by train.build_loaders."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from configs import Config, UserError
+from configs import Config
 from machinery import contract, placement, workers
 from machinery.batches import DataInfo, ImageSteps, Serving, Splits, augment, epoch_plan, image_steps
 from machinery.contract import IGNORE_INDEX, as_taken
@@ -170,11 +170,11 @@ class Batches:
 
 
 def build_served(cfg: Config, source, device: torch.device, *, targets: str, needs,
-                 shard: tuple[int, int] = (0, 1), follow=None, checked=None) -> tuple[Splits, DataInfo]:
-    """batches.build_loaders for the data it does not serve itself. `checked`: its splits, their targets'
-    spec and line, where it read them already."""
+                 shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
+    """Train, val and test batches of data batches.plain() does not take (train.build_loaders chooses),
+    as batches.build_plain builds them, and the data's DataInfo."""
     rank, world_size = shard
-    splits = contract.checked_sizes(cfg, source, world_size) if checked is None else checked[0]
+    splits = contract.checked_sizes(cfg, source, world_size)
     notes, files = list(source.notes), {split: examples.fingerprint() for split, examples in splits.items()
                                          if isinstance(examples, ImageFiles)} or None
     splits, held, digests = placement.held(cfg, splits, device, notes)  # image files that fit: tensors now
@@ -186,8 +186,7 @@ def build_served(cfg: Config, source, device: torch.device, *, targets: str, nee
     if keys != [None]:
         contract.check_image_model(cfg, needs, described(sample))
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
-    spec, said = checked[1:] if checked else contract.check_splits(splits, list(source.names), targets, size,
-                                                                   collate)
+    spec, said = contract.check_splits(splits, list(source.names), targets, size, collate)
     spec.follow = follow
     image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
                                    (spec, needs), notes)
@@ -246,26 +245,6 @@ def _image_inputs(cfg: Config, source, found: tuple, fitting: tuple, notes: list
     channels, size = images[None].shape[0], images[None].shape[-1]
     return first, {"size": size, "resize": first.resize, "channels": channels, "mean": first.mean.tolist(),
                    "std": first.std.tolist()}
-
-
-def fit_images(cfg: Config, needs, shape: tuple[int, int], stats: tuple, notes: list[str]
-               ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """The side images of shape (channels, size) are resized to for a torchvision cfg.model (0: none), and
-    the mean and std they are normalized with (`stats`, or --pretrained weights'), said in `notes`."""
-    (channels, size), (mean, std), resize = shape, stats, 0
-    if needs.size and (size != needs.size if needs.exact else size < needs.size):
-        want = f"{'exactly' if needs.exact else 'at least'} {needs.size}x{needs.size} px"
-        if cfg.image_size and cfg.dataset in ("imagefolder", "csv", "synthetic"):
-            raise UserError(f"{cfg.model} takes inputs of {want}; pass --image-size {needs.size} or none")
-        resize = needs.size
-        notes.append(f"{cfg.model} takes inputs of {want}: the {size}x{size} images are resized to {resize}x"
-                     f"{resize} on the device")
-    if needs.mean:  # --pretrained: the normalization the weights were trained with
-        mean, std = torch.tensor(needs.mean), torch.tensor(needs.std)
-        if channels != 3:
-            mean, std = mean.mean().repeat(channels), std.mean().repeat(channels)
-        notes.append(f"inputs normalized with {needs.weights}'s mean and std")
-    return resize, mean, std
 
 
 STATS_SAMPLE = 256  # training examples a Dataset's image statistics are read from, spread over it

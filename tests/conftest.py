@@ -45,12 +45,12 @@ from entries import entries  # noqa: E402
 
 import data  # noqa: E402
 import models  # noqa: E402
-from machinery import batches  # noqa: E402
+import train  # noqa: E402
 
 
 def build_loaders(cfg, device="cpu", rank: int = 0, world_size: int = 1, *, targets: str = "classes"):
     """(train, val, test, info): cfg.dataset's batches as train.setup() builds them, without the model."""
-    splits, info = batches.build_loaders(cfg, data.DATASETS[cfg.dataset](cfg), torch.device(device),
+    splits, info = train.build_loaders(cfg, data.DATASETS[cfg.dataset](cfg), torch.device(device),
                                          targets=targets, needs=models.input_needs(cfg.model, cfg.pretrained),
                                          shard=(rank, world_size))
     return splits.train, splits.val, splits.test, info

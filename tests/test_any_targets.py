@@ -98,9 +98,9 @@ def test_boxes_follow_their_images_crops_and_flips_by_the_tasks_augmented_target
     add_entries(monkeypatch, "boxes_data")
     cfg = parse_config(["--dataset", "rectangles", *SMALL, "--synthetic-size", "64", "--batch-size", "64"])
     source = data.DATASETS["rectangles"](cfg)
-    splits, _ = batches.build_loaders(cfg, source, torch.device("cpu"), targets="any",
-                                      needs=models.input_needs(cfg.model, cfg.pretrained),
-                                      follow=boxes.augmented_targets)
+    splits, _ = train.build_loaders(cfg, source, torch.device("cpu"), targets="any",
+                                    needs=models.input_needs(cfg.model, cfg.pretrained),
+                                    follow=boxes.augmented_targets)
     order, offsets, flips = batches.epoch_plan(64, cfg.seed, 0, pad=2, flip=True)
     assert flips.any() and not flips.all() and (offsets != 2).any()  # some moved, some mirrored
     inputs, moved = next(splits.train.epoch(0))
