@@ -134,9 +134,8 @@ def parse_given(argv: list[str] | None = None, description: str = "", choices: d
                 elsewhere: str | Callable[[str], str] = "another script takes it (train.py or evaluate.py); "
                 "--help lists this one's options") -> dict:
     """The settings the flags and the --config file give, each of its field's type, not yet checked (a
-    resume fills in the rest). `offered`: this script's fields (None: all); another field's flag is one
-    line, ending with `elsewhere` (whose it is) or given by it (a function of the field); other TOML keys
-    are skipped."""
+    resume fills in the rest). `offered`: this script's fields (None: all); another's flag is one line,
+    ending with `elsewhere` (whose it is) or given by it (a function); other TOML keys: skipped."""
     offered = DEFAULTS if offered is None else offered
     args, unknown = _Parser(description, choices, offered).parse_known_args(argv)
     if unknown:
