@@ -304,13 +304,10 @@ def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Pat
 def main() -> None:
     with stops.one_line(" outside the training loop; every checkpoint is as it was: run the command again, "
                         "or continue with --resume", program=__name__ == "__main__"):
-        given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES)
-        if given.get("predict"):
-            raise UserError("--predict is evaluate.py's: `python evaluate.py --predict PATH --checkpoint "
-                            "runs/x/best.pt`")
-        if given.get("export"):
-            raise UserError("--export is evaluate.py's: `python evaluate.py --export model.onnx --checkpoint "
-                            "runs/x/best.pt`")
+        from configs.resolve import TRAIN_SETTINGS, evaluate_takes
+
+        given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES, offered=TRAIN_SETTINGS,
+                            elsewhere=evaluate_takes)  # evaluate.py's flags: the command that takes them
         train(Config(**given), given)
 
 

@@ -4,10 +4,9 @@ top, checked for what may change), to evaluate or predict with (built as it was 
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
-from configs import _FIELDS, OUT_DIR_RESUMES, Config, UserError, _convert, validate
+from configs import DEFAULTS, OUT_DIR_RESUMES, Config, UserError, _convert, validate
 
 # What a resume may change: how a run is run or watched, never what its saved state means.
 MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
@@ -31,7 +30,8 @@ MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")
 STATE_DICT_SETTINGS = ("dataset", "image_size", "num_classes", "channels", "synthetic_size",
                        "synthetic_val_size", "val_fraction", "model", "pretrained", "width")
 EVALUATE_SETTINGS = (*EVALUATE_FROM_FLAGS, *MODE_SETTINGS, *STATE_DICT_SETTINGS)  # evaluate.py's flags
-SWEEP_SETTINGS = tuple(name for name in _FIELDS if name not in MODE_SETTINGS)  # lr_find.py's: train.py's
+TRAIN_SETTINGS = tuple(name for name in DEFAULTS if name not in MODE_SETTINGS)  # train.py's flags
+SWEEP_SETTINGS = TRAIN_SETTINGS  # lr_find.py's: train.py's
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: dict | None = None) -> Config:
@@ -45,25 +45,25 @@ def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: di
     if "out_dir" not in given and given.get("resume", "last") not in OUT_DIR_RESUMES:
         given["out_dir"] = str(Path(checkpoint).parent)
     try:  # a damaged or hand-edited checkpoint's config: each value of its field's type, or one line
-        saved = {k: _convert(k, v) for k, v in saved.items() if k in _FIELDS}
+        saved = {k: _convert(k, v) for k, v in saved.items() if k in DEFAULTS}
     except UserError as err:
         raise UserError(f"checkpoint {checkpoint}'s config is damaged ({err}); resume from another "
                         "checkpoint, or start a new run") from None
-    return validate(Config(**{**Config().to_dict(), **saved, "allow_more_epochs": False, **given}), choices)
+    return validate(Config(**{**DEFAULTS, **saved, "allow_more_epochs": False, **given}), choices)
 
 
 def evaluated_config(cfg: Config, given: dict, saved: dict, choices: dict | None = None) -> Config:
     """The config evaluate.py runs a checkpoint of ours with (`saved`: its config): built as it was
     trained, run where the command line says (EVALUATE_FROM_FLAGS). A model or data setting given that
     is not the checkpoint's is one line: the weights fit the model they were trained in."""
-    saved_as = {**Config().to_dict(), **saved}  # a setting newer than the checkpoint ran as its default
+    saved_as = {**DEFAULTS, **saved}  # a setting newer than the checkpoint ran as its default
     for name in (k for k in STATE_DICT_SETTINGS if k in given and given[k] != saved_as[k]):
         raise UserError(f"--{name.replace('_', '-')} {given[name]}: the checkpoint's run was trained with "
                         f"{name} {saved_as[name]!r}, and evaluate.py builds its model and data as the run "
                         f"did; leave --{name.replace('_', '-')} out (it is for a plain state_dict)")
     here = {k: given[k] for k in EVALUATE_FROM_FLAGS if k in given}
     mode = {k: getattr(cfg, k) for k in MODE_SETTINGS}
-    return validate(Config(**{**{k: v for k, v in saved.items() if k in _FIELDS}, **here, **mode,
+    return validate(Config(**{**{k: v for k, v in saved.items() if k in DEFAULTS}, **here, **mode,
                               "resume": "", "init_from": ""}), choices)
 
 
@@ -71,7 +71,7 @@ def check_resumable(saved: dict, cfg: Config) -> None:
     """Refuse a resume whose config would change what the saved state means."""
     diffs = differences(saved, cfg, MAY_CHANGE_ON_RESUME)
     length_free = cfg.schedule in LENGTH_FREE_SCHEDULES
-    if cfg.allow_more_epochs and length_free and cfg.epochs > saved.get("epochs", Config().epochs):
+    if cfg.allow_more_epochs and length_free and cfg.epochs > saved.get("epochs", DEFAULTS["epochs"]):
         diffs = [d for d in diffs if not d.startswith("epochs:")]
     longer = length_free and any(d.startswith("epochs:") for d in diffs)
     if diffs:
@@ -85,6 +85,15 @@ def differences(saved: dict, cfg: Config, allowed: tuple[str, ...],
     """The settings that differ between a saved config and cfg, as "name: saved -> now", but those
     `allowed` to differ (MAY_CHANGE_ON_RESUME, KEEPS_LR) and the `unread` (momentum between two adamw
     sweeps). A setting newer than the saved config ran as its default."""
-    saved = {**Config().to_dict(), **saved}
-    return [f"{f.name}: {saved[f.name]!r} -> {getattr(cfg, f.name)!r}" for f in fields(Config)
-            if f.name not in allowed and f.name not in unread and saved[f.name] != getattr(cfg, f.name)]
+    saved = {**DEFAULTS, **saved}
+    return [f"{name}: {saved[name]!r} -> {getattr(cfg, name)!r}" for name in DEFAULTS
+            if name not in allowed and name not in unread and saved[name] != getattr(cfg, name)]
+
+
+def evaluate_takes(name: str) -> str:
+    """train.py's line for one of evaluate.py's flags (MODE_SETTINGS): the evaluate.py command to run."""
+    shown = {"checkpoint": "", "split": " --split test", "predict": " --predict PATH",
+             "top_k": " --predict PATH --top-k 3", "tta": " --predict PATH --tta flip",
+             "export": " --export model.onnx"}[name]
+    flag = "--" + name.replace("_", "-")
+    return f"{flag} is evaluate.py's: `python evaluate.py{shown} --checkpoint runs/x/best.pt`"

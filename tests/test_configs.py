@@ -8,8 +8,8 @@ import train
 from configs import Config, UserError, parse_config
 
 FRONT = {**train.CHOICES, "find_method": lr_find.METHODS}  # what train.py and lr_find.py pass down
-CHOICES = {f.name: configs.choices_of(f, FRONT) for f in dataclasses.fields(Config)
-           if configs.choices_of(f, FRONT)}
+CHOICES = {f.name: configs.choices_of(f.name, FRONT) for f in dataclasses.fields(Config)
+           if configs.choices_of(f.name, FRONT)}
 
 
 def test_defaults_are_the_offline_quick_start():
@@ -119,25 +119,29 @@ OUTSIDE = {"> 0": "0", ">= 0": "-1", ">= 10": "9", "in [0, 1]": "1.5", "in [0, 1
            "in [0, 2**32)": str(2**32)}
 
 
-@pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.metadata["limits"]],
-                         ids=lambda f: f.name)
-def test_each_declared_range_is_enforced(field):
-    """A value just outside the range written at the field is refused, naming the field and range."""
-    limits = field.metadata["limits"]
+@pytest.mark.parametrize("name", list(configs.LIMITS))
+def test_each_declared_range_is_enforced(name):
+    """A value just outside the range LIMITS gives the field is refused, naming the field and range."""
+    limits = configs.LIMITS[name]
     with pytest.raises(UserError) as err:
-        parse_config(["--" + field.name.replace("_", "-"), OUTSIDE[limits]])
-    assert str(err.value).startswith(f"{field.name} must be a number {limits}")
+        parse_config(["--" + name.replace("_", "-"), OUTSIDE[limits]])
+    assert str(err.value).startswith(f"{name} must be a number {limits}")
     if limits not in ("in [0, 1]", "in [0, 1)", "in (0, 1)"):  # and never inf, nor nan
         for value in ("inf", "nan"):
-            with pytest.raises(UserError, match=f"{field.name} (must be a number|expects an integer)"):
-                parse_config(["--" + field.name.replace("_", "-"), value])
+            with pytest.raises(UserError, match=f"{name} (must be a number|expects an integer)"):
+                parse_config(["--" + name.replace("_", "-"), value])
 
 
 def test_every_field_has_help_and_numbers_a_range():
+    """Each field has a line in configs/help.toml (no other line is there) and, a number, a range in LIMITS;
+    a table names only Config's fields."""
+    texts = configs.help_texts()
     for field in dataclasses.fields(Config):
-        assert len(field.metadata["help"]) > 10, field.name
+        assert len(texts[field.name]) > 10, field.name
         number = isinstance(field.default, int | float) and not isinstance(field.default, bool)
-        assert field.metadata["limits"] or not number or field.name == "lr", field.name
+        assert configs.LIMITS.get(field.name) or not number or field.name == "lr", field.name
+    assert list(texts) == list(configs.DEFAULTS)  # in Config's order
+    assert set(configs.LIMITS) | set(configs.ALLOWED) <= set(configs.DEFAULTS)
 
 
 def test_the_choices_are_read_where_they_are_defined():
@@ -183,12 +187,48 @@ def test_help_says_what_0_and_auto_mean(capsys):
         parse_config(["--help"])
     assert done.value.code == 0
     shown = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at hyphens
+    texts = configs.help_texts()
     for field in dataclasses.fields(Config):
-        text = field.metadata["help"]
+        text = texts[field.name]
         assert "".join(text.split()) in shown, field.name
         if field.default == 0 and not isinstance(field.default, bool) and field.name != "seed":
             assert "0:" in text or "0 turns" in text, field.name
-        if field.default == "auto" or "auto" in (configs.choices_of(field, FRONT) or ()):
+        if field.default == "auto" or "auto" in (configs.choices_of(field.name, FRONT) or ()):
             assert "auto:" in text, field.name
-    lr_help = dict((f.name, f.metadata["help"]) for f in dataclasses.fields(Config))["lr"]
+    lr_help = texts["lr"]
     assert "auto:" in lr_help
+
+
+# ---------------------------------------------------------------- each script's own flags (issue 53)
+
+@pytest.mark.parametrize("argv, command", [
+    (["--checkpoint", "runs/a/best.pt"], "`python evaluate.py --checkpoint runs/x/best.pt`"),
+    (["--split", "test"], "`python evaluate.py --split test --checkpoint runs/x/best.pt`"),
+    (["--predict", "x.png"], "`python evaluate.py --predict PATH --checkpoint runs/x/best.pt`"),
+    (["--top-k=3"], "`python evaluate.py --predict PATH --top-k 3 --checkpoint runs/x/best.pt`"),
+    (["--tta", "flip"], "`python evaluate.py --predict PATH --tta flip --checkpoint runs/x/best.pt`"),
+    (["--export", "model.onnx"], "`python evaluate.py --export model.onnx --checkpoint runs/x/best.pt`"),
+])
+def test_train_neither_lists_nor_takes_evaluates_flags(argv, command, tmp_path, monkeypatch, capsys):
+    """Each of evaluate.py's flags given to train.py is one line naming the evaluate.py command that takes
+    it; nothing is written. --help lists train.py's own flags only."""
+    from conftest import run_main
+
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "run")
+    flag = argv[0].split("=")[0]
+    assert code == 2 and err == f"error: {flag} is evaluate.py's: {command}\n" and "Traceback" not in out
+    assert list(tmp_path.iterdir()) == []
+    code, out, _ = run_main(monkeypatch, capsys, "--help")
+    options = {line.split()[0] for line in out.splitlines() if line.startswith("  --")}
+    assert code == 0 and flag not in options and "--epochs" in options and flag not in out.split("usage:")[1]
+
+
+def test_a_run_reads_no_help_text(monkeypatch):
+    """configs/help.toml is read to print --help only: parsing and checking a run's flags never opens it."""
+    def opened():
+        raise AssertionError("help_texts() read outside --help")
+
+    monkeypatch.setattr(configs, "help_texts", opened)
+    assert parse_config(["--epochs", "2", "--no-augment", "--compile", "--resume"]).epochs == 2
+    with pytest.raises(UserError, match="did you mean '--epochs'"):
+        parse_config(["--epoch", "2"])

@@ -50,8 +50,8 @@ def test_evaluate_offers_what_evaluation_uses_and_refuses_the_rest_in_one_line(i
     assert code == 0 and len(options) == 26 and "--checkpoint" in options and "--predict" in options, options
     assert not {"--lr", "--epochs", "--augment", "--resume", "--log-to"} & set(options)
     code, out, _ = run_main(monkeypatch, capsys, "--help")
-    assert code == 0 and {"--lr", "--epochs", "--checkpoint"} <= {line.split()[0] for line in out.splitlines()
-                                                                  if line.startswith("  --")}
+    trains = {line.split()[0] for line in out.splitlines() if line.startswith("  --")}
+    assert code == 0 and {"--lr", "--epochs"} <= trains and not {"--checkpoint", "--predict"} & trains
     best = image_run / "best.pt"
     line = assert_one_line_failure(*run_evaluate(monkeypatch, capsys, "--checkpoint", best, "--lr", "5"))
     assert line.startswith("error: --lr is not an option here: evaluate.py trains nothing"), line
