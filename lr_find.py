@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm
 
         import task
-        from configs import UserError, command_line, parse_config, resolve
+        from configs import TRAIN_SETTINGS, UserError, command_line, parse_config
         from machinery import checkpoints, files, processes, run_folder, stops
         from models import OPTIMIZERS, build_optimizer
         from schedules import SCHEDULES
@@ -325,11 +325,10 @@ def main(argv: list[str] | None = None) -> None:
                         caught=ValueError,  # a UserError, or a bad argument of lr_find()'s
                         program=__name__ == "__main__"):  # called in-process: a signal goes on to the caller
         cfg = parse_config(argv, "Learning-rate range test on train.py's setup.",
-                           {**CHOICES, "find_method": METHODS}, offered=resolve.SWEEP_SETTINGS)
+                           {**CHOICES, "find_method": METHODS}, offered=TRAIN_SETTINGS)
         run_folder.claim(Path(cfg.out_dir))  # fail now, not after the sweep; one run in a folder
         device = processes.pick_device(cfg.device, cfg.deterministic)
-        checkpoints.seed_rngs(cfg.seed)
-        splits, info, model = setup(cfg, task, device)
+        splits, info, model = setup(cfg, task, device)  # seeded by --seed first
         print(*info.notes, sep="\n")
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
         amp_dtype, scaler = processes.amp_setup(device, cfg.amp)  # fresh, as train.py's is here

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import task as default_task
-from configs import Config, UserError, command_line, parse_given
+from configs import TRAIN_SETTINGS, Config, UserError, command_line, evaluate_takes, parse_given
 from data import DATASETS
 from machinery import checkpoints, logs, processes, run_folder, stops
 from machinery.batches import build_plain, plain
@@ -304,8 +304,6 @@ def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Pat
 def main() -> None:
     with stops.one_line(" outside the training loop; every checkpoint is as it was: run the command again, "
                         "or continue with --resume", program=__name__ == "__main__"):
-        from configs.resolve import TRAIN_SETTINGS, evaluate_takes
-
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES, offered=TRAIN_SETTINGS,
                             elsewhere=evaluate_takes)  # evaluate.py's flags: the command that takes them
         train(Config(**given), given)

@@ -118,6 +118,8 @@ FRONT_LISTS = ("dataset", "optimizer", "schedule", "find_method")  # fields the 
 OR_AUTO = {"lr": float, "num_workers": int}  # numbers that also take "auto"
 ALONE = {"resume": "last", "compile": "default"}  # given alone: plain --resume, torch.compile's default mode
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")  # evaluate.py's alone
+TRAIN_SETTINGS = tuple(name for name in DEFAULTS if name not in MODE_SETTINGS)  # train.py's flags
 
 
 class UserError(ValueError):
@@ -376,3 +378,12 @@ def _suggest(word: str, options) -> str:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def evaluate_takes(name: str) -> str:
+    """train.py's line for one of evaluate.py's flags (MODE_SETTINGS): the evaluate.py command to run."""
+    shown = {"checkpoint": "", "split": " --split test", "predict": " --predict PATH",
+             "top_k": " --predict PATH --top-k 3", "tta": " --predict PATH --tta flip",
+             "export": " --export model.onnx"}[name]
+    flag = "--" + name.replace("_", "-")
+    return f"{flag} is evaluate.py's: `python evaluate.py{shown} --checkpoint runs/x/best.pt`"

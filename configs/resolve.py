@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs import DEFAULTS, OUT_DIR_RESUMES, Config, UserError, _convert, validate
+from configs import (
+    DEFAULTS,
+    MODE_SETTINGS,
+    OUT_DIR_RESUMES,
+    Config,
+    UserError,
+    _convert,
+    validate,
+)
 
 # What a resume may change: how a run is run or watched, never what its saved state means.
 MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
@@ -24,14 +32,11 @@ LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not dep
 # The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.
 EVALUATE_FROM_FLAGS = ("data_dir", "device", "batch_size", "num_workers", "loader", "image_cache", "amp",
                        "out_dir", "dist_timeout")
-MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")
 # What builds the model and data of a plain state_dict, which records neither; a train.py checkpoint's own
 # settings: given again, they must say what it says.
 STATE_DICT_SETTINGS = ("dataset", "image_size", "num_classes", "channels", "synthetic_size",
                        "synthetic_val_size", "val_fraction", "model", "pretrained", "width")
 EVALUATE_SETTINGS = (*EVALUATE_FROM_FLAGS, *MODE_SETTINGS, *STATE_DICT_SETTINGS)  # evaluate.py's flags
-TRAIN_SETTINGS = tuple(name for name in DEFAULTS if name not in MODE_SETTINGS)  # train.py's flags
-SWEEP_SETTINGS = TRAIN_SETTINGS  # lr_find.py's: train.py's
 
 
 def resumed_config(saved: dict, given: dict, checkpoint: str | Path, choices: dict | None = None) -> Config:
@@ -88,12 +93,3 @@ def differences(saved: dict, cfg: Config, allowed: tuple[str, ...],
     saved = {**DEFAULTS, **saved}
     return [f"{name}: {saved[name]!r} -> {getattr(cfg, name)!r}" for name in DEFAULTS
             if name not in allowed and name not in unread and saved[name] != getattr(cfg, name)]
-
-
-def evaluate_takes(name: str) -> str:
-    """train.py's line for one of evaluate.py's flags (MODE_SETTINGS): the evaluate.py command to run."""
-    shown = {"checkpoint": "", "split": " --split test", "predict": " --predict PATH",
-             "top_k": " --predict PATH --top-k 3", "tta": " --predict PATH --tta flip",
-             "export": " --export model.onnx"}[name]
-    flag = "--" + name.replace("_", "-")
-    return f"{flag} is evaluate.py's: `python evaluate.py{shown} --checkpoint runs/x/best.pt`"

@@ -297,7 +297,7 @@ def test_the_progress_bar_shows_the_rate_tensorboard_logs(tmp_path, monkeypatch)
     run_train(tmp_path, "--dataset", "synthetic", "--synthetic-size", "64", "--image-size", "8", "--width",
               "4", "--batch-size", "16", "--epochs", "2", "--log-every", "1")
     logged = [value for _, value in read_scalars(tmp_path)["train/lr"]]
-    assert len(shown) == len(logged) == 8 and shown == pytest.approx(logged, rel=1e-3)  # shown to 3 figures
+    assert len(shown) == len(logged) == 8 and shown == pytest.approx(logged, rel=5e-3)  # shown to 3 figures
 
 
 def test_the_default_rate_on_other_data_than_digits_says_so_once(tmp_path, monkeypatch, capsys):
