@@ -35,7 +35,7 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
     the checkpoint (or into an --out-dir `given` here)."""
     cfg, ckpt, path, ours = opened(cfg, given, task)
     process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
-    splits, info, model = setup(cfg, task, process.device, shard=process.shard, fresh=False)
+    splits, info, model = setup(cfg, task, process.device, shard=process.shard, fresh=False, trains=False)
     with splits:
         batches = chosen_split(splits, cfg)
         checkpoints.check_classes(ckpt, path, info.names, "evaluate it on the data it was trained on")
@@ -137,7 +137,7 @@ def export(cfg: Config, given: dict, task=default_task) -> None:
     target = Path(cfg.export)
     with staged(target) as path:  # the suffix, the packages and the folder checked first
         cfg, ckpt, checkpoint, _ = opened(cfg, given, task)
-        splits, info, model = setup(cfg, task, torch.device("cpu"), fresh=False)
+        splits, info, model = setup(cfg, task, torch.device("cpu"), fresh=False, trains=False)
         with splits:
             batches = chosen_split(splits, cfg)
             checkpoints.check_classes(ckpt, checkpoint, info.names, "export it with the data it was trained "

@@ -19,9 +19,8 @@ import torch
 import task as default_task
 from configs import TRAIN_SETTINGS, Config, UserError, command_line, evaluate_takes, parse_given
 from data import DATASETS
-from machinery import checkpoints, logs, processes, run_folder, stops
+from machinery import checkpoints, contract, logs, processes, run_folder, stops
 from machinery.batches import build_plain, plain
-from machinery.contract import check_model
 from machinery.files import write_json_atomic
 from machinery.processes import amp_setup, autocast
 from models import OPTIMIZERS, build_model, build_optimizer, input_needs
@@ -180,18 +179,21 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     return summary
 
 
-def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (0, 1), fresh: bool = True):
+def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (0, 1), fresh: bool = True,
+          trains: bool = True):
     """The data of cfg.dataset, checked against the task, and the model built for it, checked against both
     (two examples through it and the loss): what train() trains, lr_find.py sweeps and evaluate.py measures.
     `shard`: this process's rank, of how many; `fresh`: the model starts from --pretrained or --init-from
-    weights, where a resume or evaluation loads its own. --seed first: a fork's data may draw."""
+    weights, where a resume or evaluation loads its own; `trains`: not evaluate.py's. --seed first."""
     checkpoints.seed_rngs(cfg.seed)
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
                                   needs=input_needs(cfg.model, cfg.pretrained),
                                   follow=getattr(task, "augmented_targets", None))  # optional
+    if trains:
+        contract.check_trainable(cfg, info)
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
-    info.notes.append(check_model(model, batches.train, task, cfg, info))
+    info.notes.append(contract.check_model(model, batches.train, task, cfg, info))
     return batches, info, model
 
 

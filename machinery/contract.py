@@ -162,12 +162,16 @@ def check_balance(cfg: Config, spec: Targets) -> None:
 
 
 def epoch_checks(cfg: Config, train, world_size: int) -> list[str]:
-    """A batch larger than the training set is refused; the note on what an epoch leaves out, if any."""
-    if len(train) == 0:
-        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
-                        f"set ({train.num_examples}); lower --batch-size")
-    said = epoch_note(train.num_examples, cfg.batch_size, world_size, cfg.accum_steps)
+    """The note on what an epoch leaves out, if any (none where it trains no batch: check_trainable)."""
+    said = len(train) and epoch_note(train.num_examples, cfg.batch_size, world_size, cfg.accum_steps)
     return [said] if said else []
+
+
+def check_trainable(cfg: Config, info) -> None:
+    """A batch larger than the training set is refused where the run trains (evaluate.py trains nothing)."""
+    if info.batches == 0:
+        raise UserError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} training "
+                        f"set ({info.train_size}); lower --batch-size")
 
 
 def epoch_note(n: int, batch_size: int, world_size: int, accum_steps: int) -> str | None:

@@ -127,3 +127,25 @@ def test_sigterm_to_the_group_while_evaluating_another_folder_with_workers_is_on
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert stopped.stderr.startswith("error: interrupted by SIGTERM") and stopped.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_another_folder_whose_training_split_is_smaller_than_a_batch_is_measured(image_run, images, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Issue 54, 3: evaluate.py --data-dir OTHER, OTHER/train holding fewer images than --batch-size, measures
+    OTHER/val (it trains nothing: the refusal of a batch larger than the training set is train.py's), and
+    gives what evaluating with a small enough batch gives."""
+    other = tmp_path / "other"
+    shutil.copytree(images / "val", other / "val")
+    for name in ("dark", "light"):
+        (other / "train" / name).mkdir(parents=True)
+        shutil.copy(images / "train" / name / "0.png", other / "train" / name / "0.png")  # 2 images: < 4
+    best = image_run / "best.pt"
+    measured = {}
+    for batch in ("4", "2"):
+        out = tmp_path / f"batch{batch}"
+        code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", best, "--data-dir", other, *CPU,
+                                    "--batch-size", batch, "--out-dir", out)
+        assert code == 0, err
+        measured[batch] = json.loads((out / "eval.json").read_text())
+    assert measured["4"]["val_size"] == 8 and measured["4"]["val_acc"] == measured["2"]["val_acc"]
+    assert measured["4"]["val_loss"] == pytest.approx(measured["2"]["val_loss"], rel=1e-5)
