@@ -102,9 +102,9 @@ def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
         raise UserError(f"the model {cfg.model} returns a {type(outputs).__name__}, not a tensor of outputs")
     shape, kind = list(outputs.shape), task.TARGETS
     want = [shape[0], *shape[2:]] if kind == "classes" else shape
-    fits = outputs.ndim >= 2 and shape[1] == len(info.names) and list(targets.shape) == want
-    if kind != "any" and not fits:
-        raise outputs_misfit(cfg, (given, shape, list(targets.shape)), kind, len(info.names))
+    named = len(info.names)  # outputs
+    if kind != "any" and not (outputs.ndim >= 2 and shape[1] == named and list(targets.shape) == want):
+        raise outputs_misfit(cfg, (given, shape, list(targets.shape)), kind, named)
     loss = task.loss(outputs.float(), targets, cfg, info)
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
         raise loss_not_a_number(loss)
@@ -145,7 +145,7 @@ def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> s
 
 def plain_inputs(cfg: Config, source, needs, example: torch.Tensor) -> str:
     """The note for one input tensor that is no image; a torchvision model or crops of it are refused."""
-    shown = f"{list(example[None].shape)} {_dtype(example)}"
+    shown = f"{list(example.shape)} {_dtype(example)}"
     check_image_model(cfg, needs, shown)
     refuse_crops(cfg, source, shown)
     return not_images_note("the inputs are", shown)
