@@ -96,13 +96,13 @@ def test_ddp_broadcasts_no_buffers_each_forward(tmp_path):
 
 
 def test_seed_sets_numpy_and_pythons_random_too(tmp_path, monkeypatch, capsys):
-    drawn, real = [], train.setup
+    drawn, real = [], train.DATASETS["synthetic"]
 
-    def setup(*args, **kwargs):  # where a fork's data or augmentation would draw
+    def synthetic(cfg):  # where a fork's data would draw
         drawn.append((np.random.rand(), random.random()))
-        return real(*args, **kwargs)
+        return real(cfg)
 
-    monkeypatch.setattr(train, "setup", setup)
+    monkeypatch.setitem(train.DATASETS, "synthetic", synthetic)
     for run in ("a", "b"):
         np.random.seed(None)
         random.seed(None)
