@@ -59,6 +59,84 @@ def epochs_to_steps(epochs: float, num_batches: int, accum_steps: int = 1) -> in
     return round(epochs * steps_per_epoch(num_batches, accum_steps))
 
 
+def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
+    """pct_start, nudged off the one value that breaks OneCycleLR: pct_start * total_steps == 1."""
+    if float(pct_start * total_steps) != 1:
+        return pct_start
+    return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, *, warmup_steps: int = 0,
+                    **options: object) -> LRScheduler:
+    """Schedule `name` over `total_steps` optimizer steps, stepped after each one (optimizer_step does).
+    Options left out or None take their defaults (_OPTIONS); each one's meaning: docs/schedules.md."""
+    _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
+    _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
+    ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
+    _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
+    accepted = list(_OPTIONS[name])
+    for key in options:
+        _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
+    options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
+    if name == "onecycle":
+        return _onecycle(optimizer, total_steps, warmup_steps, options)
+    return _lambda_schedule(optimizer, name, total_steps, warmup_steps, options)
+
+
+def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+              options: dict) -> OneCycleLR:
+    """torch's OneCycleLR, its options checked; momentum cycles only where every group has some."""
+    _require(warmup_steps == 0, "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start")
+    groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
+    peaks = [float(group.get("max_lr", group["lr"])) for group in groups]  # its lr, or a loaded state's peak
+    lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
+    if max_lr is None:
+        lrs = peaks
+    ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
+    _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
+    if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
+        lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
+    _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
+    _check(not options["three_phase"] or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
+    product = float(pct_start * total_steps)
+    expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
+    _check(product != 1, "pct_start * total_steps", expected, product)
+    for key in ("div_factor", "final_div_factor"):
+        _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
+    strategy = options["anneal_strategy"]
+    _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
+    momenta = [_momentum(group) for group in groups]  # OneCycleLR reads them only when it cycles
+    return _OneCycleLR(optimizer, total_steps=total_steps, **(options | {"max_lr": lrs}),
+                       cycle_momentum=all(m > 0 for m in momenta),
+                       base_momentum=[min(0.85, m) for m in momenta], max_momentum=momenta)
+
+
+def _momentum(group: dict) -> float:
+    """The group's own momentum, or the top of the cycle a onecycle schedule set in it."""
+    if "max_momentum" in group:
+        return float(group["max_momentum"])
+    return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
+
+
+def _lambda_schedule(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int,
+                     options: dict) -> LambdaLR:
+    """constant, warmup, step or cosine: torch's LambdaLR over _lr_factor, the options checked first."""
+    _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
+             "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
+    if name == "step":
+        if options["step_size"] is None:
+            options["step_size"] = math.ceil((total_steps - warmup_steps) / 3)  # >= 1: warmup_steps < total
+        step_size, gamma = options["step_size"], options["gamma"]
+        _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
+        _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
+    if name == "cosine":
+        ratio = options["min_lr_ratio"]
+        _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
+    factor = functools.partial(_lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps,
+                               **options)
+    return _LambdaLR(optimizer, factor, name, total_steps)
+
+
 def _lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, step_size: int = 1,
                gamma: float = 1.0, min_lr_ratio: float = 0.0) -> float:
     """The base lr's factor before optimizer step `step` (< total_steps): a linear warmup, then `kind`'s."""
@@ -71,13 +149,6 @@ def _lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, ste
         cosine = 0.5 * (1 + math.cos(math.pi * k / (total_steps - warmup_steps)))
         return min_lr_ratio + (1 - min_lr_ratio) * cosine
     return 1.0
-
-
-def _momentum(group: dict) -> float:
-    """The group's own momentum, or the top of the cycle a onecycle schedule set in it."""
-    if "max_momentum" in group:
-        return float(group["max_momentum"])
-    return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
 
 
 class _Counted:
@@ -129,77 +200,6 @@ class _LambdaLR(_Counted, LambdaLR):
 
 class _OneCycleLR(_Counted, OneCycleLR):
     schedule = "onecycle"
-
-
-def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
-              options: dict) -> OneCycleLR:
-    """torch's OneCycleLR, its options checked; momentum cycles only where every group has some."""
-    _require(warmup_steps == 0, "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start")
-    groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
-    peaks = [float(group.get("max_lr", group["lr"])) for group in groups]  # or a loaded state's peak
-    lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
-    if max_lr is None:
-        lrs = peaks
-    ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
-    _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
-    if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
-        lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
-    _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
-    _check(not options["three_phase"] or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
-    product = float(pct_start * total_steps)
-    expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
-    _check(product != 1, "pct_start * total_steps", expected, product)
-    for key in ("div_factor", "final_div_factor"):
-        _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
-    strategy = options["anneal_strategy"]
-    _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
-    momenta = [_momentum(group) for group in groups]  # OneCycleLR reads them only when it cycles
-    return _OneCycleLR(optimizer, total_steps=total_steps, **(options | {"max_lr": lrs}),
-                       cycle_momentum=all(m > 0 for m in momenta),
-                       base_momentum=[min(0.85, m) for m in momenta], max_momentum=momenta)
-
-
-def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
-    """pct_start, nudged off the one value that breaks OneCycleLR: pct_start * total_steps == 1."""
-    if float(pct_start * total_steps) != 1:
-        return pct_start
-    return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, *, warmup_steps: int = 0,
-                    **options: object) -> LRScheduler:
-    """Schedule `name` over `total_steps` optimizer steps, stepped after each one (optimizer_step does).
-    Options left out or None take their defaults (_OPTIONS); each one's meaning: docs/schedules.md."""
-    _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
-    _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
-    ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
-    _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
-    accepted = list(_OPTIONS[name])
-    for key in options:
-        _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
-    options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
-    if name == "onecycle":
-        return _onecycle(optimizer, total_steps, warmup_steps, options)
-    return _lambda_schedule(optimizer, name, total_steps, warmup_steps, options)
-
-
-def _lambda_schedule(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int,
-                     options: dict) -> LambdaLR:
-    """constant, warmup, step or cosine: torch's LambdaLR over _lr_factor, the options checked first."""
-    _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
-             "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
-    if name == "step":
-        if options["step_size"] is None:
-            options["step_size"] = math.ceil((total_steps - warmup_steps) / 3)  # >= 1: warmup_steps < total
-        step_size, gamma = options["step_size"], options["gamma"]
-        _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
-        _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
-    if name == "cosine":
-        ratio = options["min_lr_ratio"]
-        _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
-    factor = functools.partial(_lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps,
-                               **options)
-    return _LambdaLR(optimizer, factor, name, total_steps)
 
 
 # The scale each GradScaler had after optimizer_step's last update(): a fused optimizer's skip shrinks it.
