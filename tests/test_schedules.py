@@ -230,9 +230,13 @@ class Accumulating(torch.optim.SGD):
     gradient_state = type("GradientState", (), {"sync_gradients": False})()
 
 
-def test_each_mark_of_a_wrapper_alone_is_told():
+def test_each_mark_of_a_wrapper_alone_is_told(monkeypatch):
     """`.optimizer`, `step_was_skipped` and `gradient_state` each make a wrapper: the step counts only when
-    the torch optimizer inside ran it and no skip was reported, and no gradient is clipped between syncs."""
+    the torch optimizer inside ran it and no skip was reported, and no gradient is clipped between syncs.
+    An optimizer with no other inside steps itself: nothing is hooked to tell."""
+    hooked = []
+    for kind in (ReportsItsSkips, Accumulating):
+        monkeypatch.setattr(kind, "register_step_post_hook", lambda self, hook: hooked.append(hook))
     model, inner = make_optimizer()
     sched = build_scheduler(inner, "cosine", 10)
     wrapper = SkipsEveryOther(inner)
@@ -253,6 +257,7 @@ def test_each_mark_of_a_wrapper_alone_is_told():
     grads = [p.grad.clone() for p in model.parameters()]
     assert optimizer_step(opt, sched, clip_grad=1e-3) is True and sched.last_epoch == 1
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert hooked == []
 
 
 class HostReads(TorchDispatchMode):
