@@ -1,25 +1,23 @@
-"""Learning-rate schedules counted in optimizer steps, and an AMP-safe optimizer/scheduler step.
+"""Learning-rate schedules counted in optimizer steps, and the optimizer step that steps them.
 
-Self-contained (torch + standard library only), so it can be copied alone into another project.
+Torch and the standard library only, so it can be copied alone into another project (docs/schedules.md).
 Preview a schedule: python schedules.py --schedule cosine --total-steps 1000 --warmup-steps 50
 (a table; add --png PATH for a plot)"""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import NoReturn
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-# Each schedule's options and their defaults (None: see build_scheduler). Its names are the one list of
-# schedules: SCHEDULES, which configs/ and the tests read.
+# Each schedule's options and their defaults (None: set from the run; docs/schedules.md). Its names are
+# the one list of schedules: SCHEDULES, which configs/ and the tests read.
 _OPTIONS = {
     "constant": {},
     "step": {"step_size": None, "gamma": 0.1},
@@ -61,10 +59,87 @@ def epochs_to_steps(epochs: float, num_batches: int, accum_steps: int = 1) -> in
     return round(epochs * steps_per_epoch(num_batches, accum_steps))
 
 
+def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
+    """pct_start, nudged off the one value that breaks OneCycleLR: pct_start * total_steps == 1."""
+    if float(pct_start * total_steps) != 1:
+        return pct_start
+    return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, *, warmup_steps: int = 0,
+                    **options: object) -> LRScheduler:
+    """Schedule `name` over `total_steps` optimizer steps, stepped after each one (optimizer_step does).
+    Options left out or None take their defaults (_OPTIONS); each one's meaning: docs/schedules.md."""
+    _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
+    _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
+    ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
+    _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
+    accepted = list(_OPTIONS[name])
+    for key in options:
+        _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
+    options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
+    if name == "onecycle":
+        return _onecycle(optimizer, total_steps, warmup_steps, options)
+    return _lambda_schedule(optimizer, name, total_steps, warmup_steps, options)
+
+
+def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+              options: dict) -> OneCycleLR:
+    """torch's OneCycleLR, its options checked; momentum cycles only where every group has some."""
+    _require(warmup_steps == 0, "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start")
+    groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
+    peaks = [float(group.get("max_lr", group["lr"])) for group in groups]  # its lr, or a loaded state's peak
+    lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
+    if max_lr is None:
+        lrs = peaks
+    ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
+    _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
+    if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
+        lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
+    _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
+    _check(not options["three_phase"] or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
+    product = float(pct_start * total_steps)
+    expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
+    _check(product != 1, "pct_start * total_steps", expected, product)
+    for key in ("div_factor", "final_div_factor"):
+        _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
+    strategy = options["anneal_strategy"]
+    _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
+    momenta = [_momentum(group) for group in groups]  # OneCycleLR reads them only when it cycles
+    return _OneCycleLR(optimizer, total_steps=total_steps, **(options | {"max_lr": lrs}),
+                       cycle_momentum=all(m > 0 for m in momenta),
+                       base_momentum=[min(0.85, m) for m in momenta], max_momentum=momenta)
+
+
+def _momentum(group: dict) -> float:
+    """The group's own momentum, or the top of the cycle a onecycle schedule set in it."""
+    if "max_momentum" in group:
+        return float(group["max_momentum"])
+    return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
+
+
+def _lambda_schedule(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int,
+                     options: dict) -> LambdaLR:
+    """constant, warmup, step or cosine: torch's LambdaLR over _lr_factor, the options checked first."""
+    _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
+             "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
+    if name == "step":
+        if options["step_size"] is None:
+            options["step_size"] = math.ceil((total_steps - warmup_steps) / 3)  # >= 1: warmup_steps < total
+        step_size, gamma = options["step_size"], options["gamma"]
+        _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
+        _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
+    if name == "cosine":
+        ratio = options["min_lr_ratio"]
+        _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
+    factor = functools.partial(_lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps,
+                               **options)
+    return _LambdaLR(optimizer, factor, name, total_steps)
+
+
 def _lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, step_size: int = 1,
                gamma: float = 1.0, min_lr_ratio: float = 0.0) -> float:
-    """Multiplier of the base lr before optimizer step `step` (< total_steps: _Counted holds the last one
-    past the end). Module-level and bound with functools.partial so LambdaLR's state_dict stays picklable."""
+    """The base lr's factor before optimizer step `step` (< total_steps): a linear warmup, then `kind`'s."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     k = step - warmup_steps
@@ -76,36 +151,30 @@ def _lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, ste
     return 1.0
 
 
-def _momentum(group: dict) -> float:
-    """The group's own momentum; the top of the cycle a onecycle schedule already set in it."""
-    if "max_momentum" in group:
-        return float(group["max_momentum"])
-    return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
-
-
 class _Counted:
-    """What build_scheduler's schedules add to torch's LambdaLR and OneCycleLR: past total_steps they hold
-    their last rate and warn once, instead of raising (OneCycleLR) or running on silently. Loading a state
-    sets the optimizer's rates (and onecycle's momentum) to the saved step's, so the scheduler may be built
-    before or after optimizer.load_state_dict()."""
+    """Past total_steps the last rate holds (one warning); a loaded state sets the saved rates."""
 
     schedule: str
     total_steps: int
-    _warned_past_end = False  # set on the instance (and so in its state_dict) once it warned
+    _warned_past_end = False  # set on the instance, so its state_dict keeps it
 
     def get_lr(self) -> list:
         step = self.last_epoch
-        if step > self.total_steps and not self._warned_past_end:
-            self._warned_past_end = True
-            warnings.warn(f"the {self.schedule} schedule was stepped past its total_steps "
-                          f"({self.total_steps}) and holds its last rate; the usual cause is a second "
-                          "scheduler.step() per epoch beside the one after each optimizer step "
-                          "(optimizer_step makes that one)", UserWarning, stacklevel=4)
+        if step > self.total_steps:
+            self._warn_past_end()
         self.last_epoch = min(step, self.total_steps - 1)
         try:
             return super().get_lr()
         finally:
             self.last_epoch = step
+
+    def _warn_past_end(self) -> None:
+        if not self._warned_past_end:
+            self._warned_past_end = True
+            warnings.warn(f"the {self.schedule} schedule was stepped past its total_steps "
+                          f"({self.total_steps}) and holds its last rate; the usual cause is a second "
+                          "scheduler.step() per epoch beside the one after each optimizer step "
+                          "(optimizer_step makes that one)", UserWarning, stacklevel=5)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -133,114 +202,44 @@ class _OneCycleLR(_Counted, OneCycleLR):
     schedule = "onecycle"
 
 
-def _onecycle(optimizer: torch.optim.Optimizer, total_steps: int, options: dict) -> OneCycleLR:
-    """torch's OneCycleLR with ``options`` (all of _OPTIONS["onecycle"]), validated up front and never
-    adding momentum: it is cycled only if every group already uses it (momentum > 0 or Adam-style betas),
-    staying at the optimizer's own value m at the low-lr ends and dipping to min(0.85, m) at the peak, so
-    it never exceeds what the user chose and plain SGD stays momentum-free."""
-    groups, max_lr, pct_start = optimizer.param_groups, options["max_lr"], options["pct_start"]
-    # Each group's own peak: its lr, or the one a onecycle schedule left in it (a loaded state).
-    peaks = [float(group.get("max_lr", group["lr"])) for group in groups]
-    lrs = list(max_lr) if isinstance(max_lr, list | tuple) else [max_lr] * len(groups)
-    if max_lr is None:
-        lrs = peaks
-    ok = len(lrs) == len(groups) and all(_is_real(lr) and lr >= 0 for lr in lrs)
-    _check(ok, "max_lr", f"a number >= 0 or a list of {len(groups)}, one per group", max_lr)
-    if not isinstance(max_lr, list | tuple | None) and peaks[0]:  # the first group's peak
-        lrs = [max_lr * (peak / peaks[0]) for peak in peaks]
-    _check(_is_real(pct_start) and 0 < pct_start < 1, "pct_start", "in (0, 1)", pct_start)
-    _check(not options["three_phase"] or pct_start <= 0.5, "pct_start", "<= 0.5 with three_phase", pct_start)
-    product = float(pct_start * total_steps)
-    expected = "!= 1 (OneCycleLR divides by 0; safe_pct_start() gives a value that works)"
-    _check(product != 1, "pct_start * total_steps", expected, product)
-    for key in ("div_factor", "final_div_factor"):
-        _check(_is_real(options[key]) and options[key] > 0, key, "a number > 0", options[key])
-    strategy = options["anneal_strategy"]
-    _check(strategy in ("cos", "linear"), "anneal_strategy", "'cos' or 'linear'", strategy)
-    momenta = [_momentum(group) for group in groups]  # OneCycleLR reads them only when it cycles
-    return _OneCycleLR(optimizer, max_lr=lrs, total_steps=total_steps, pct_start=pct_start,
-                       anneal_strategy=strategy, cycle_momentum=all(m > 0 for m in momenta),
-                       base_momentum=[min(0.85, m) for m in momenta], max_momentum=momenta,
-                       div_factor=options["div_factor"], final_div_factor=options["final_div_factor"],
-                       three_phase=options["three_phase"])
-
-
-def safe_pct_start(pct_start: float, total_steps: int, three_phase: bool = False) -> float:
-    """pct_start moved off the one value that breaks torch's OneCycleLR at this run length: when
-    pct_start * total_steps == 1 (0.25 of a 4-step run, 0.1 of 10) the warm phase ends on the step it starts
-    and OneCycleLR divides by zero. A nudge of one part in 1e9 (down with three_phase, within its 0.5 cap)
-    gives the limit of torch's own curve: that step runs at max_lr / div_factor, the anneal starts at the
-    next. Any other value comes back unchanged, so every run torch handles keeps torch's curve exactly."""
-    if float(pct_start * total_steps) != 1:
-        return pct_start
-    return pct_start * (1 - 1e-9 if three_phase else 1 + 1e-9)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, *, warmup_steps: int = 0,
-                    **options: object) -> LRScheduler:
-    """Build schedule `name` over `total_steps` optimizer steps; step it after each optimizer step.
-    warmup_steps is a linear-warmup prefix ((k+1)/W of base) for every schedule but onecycle, whose warm
-    phase is pct_start; warmup needs one. Options left out or None take their defaults (_OPTIONS): step
-    decays by gamma at 1/3 and 2/3 of the post-warmup span, cosine to min_lr_ratio x base. onecycle's max_lr:
-    a list sets each param group's peak; a number the first group's, the others keeping their lr's ratio to
-    its lr (as lr_find sweeps them); None: each group's lr (or the peak a loaded onecycle state left in it).
-    Past total_steps a schedule holds its last rate and warns once. To resume, load the optimizer's state
-    before or after building this scheduler, then the scheduler's: the rate is the saved one either way."""
-    _require(name in SCHEDULES, f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
-    _check(_is_int(total_steps) and total_steps >= 1, "total_steps", "an int >= 1", total_steps)
-    ok = _is_int(warmup_steps) and 0 <= warmup_steps < total_steps
-    _check(ok, "warmup_steps", f"an int in [0, total_steps) = [0, {total_steps})", warmup_steps)
-    accepted = list(_OPTIONS[name])
-    for key in options:
-        _require(key in accepted, f"unknown option {key!r} for {name}; accepted: {accepted}")
-    options = _OPTIONS[name] | {key: value for key, value in options.items() if value is not None}
-    _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
-             "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
-    if name == "onecycle":
-        _require(warmup_steps == 0, "warmup_steps must be 0 for onecycle: its warm phase is set by pct_start")
-        return _onecycle(optimizer, total_steps, options)
-    if name == "step":
-        if options["step_size"] is None:
-            options["step_size"] = math.ceil((total_steps - warmup_steps) / 3)  # >= 1: warmup_steps < total
-        step_size, gamma = options["step_size"], options["gamma"]
-        _check(_is_int(step_size) and step_size >= 1, "step_size", "an int >= 1", step_size)
-        _check(_is_real(gamma) and gamma > 0, "gamma", "a number > 0", gamma)
-    if name == "cosine":
-        ratio = options["min_lr_ratio"]
-        _check(_is_real(ratio) and 0 <= ratio <= 1, "min_lr_ratio", "in [0, 1]", ratio)
-    factor = functools.partial(_lr_factor, kind=name, total_steps=total_steps, warmup_steps=warmup_steps,
-                               **options)
-    return _LambdaLR(optimizer, factor, name, total_steps)
-
-
-# The scale each GradScaler had after optimizer_step's last update(), so a fused optimizer's skip
-# is told with one read per step. A scale changed by hand between calls (update(new_scale),
-# load_state_dict on the same scaler) is not seen here; a new GradScaler starts afresh.
-_scale_after_update: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The scale each GradScaler had after optimizer_step's last update(): a fused optimizer's skip shrinks it.
+_scale_after_update = weakref.WeakKeyDictionary()
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None,
                    scaler: torch.amp.GradScaler | None = None, *, clip_grad: float | None = None,
                    parameters: Iterable[torch.Tensor] | None = None) -> bool:
     """Step the optimizer, then the scheduler only if the optimizer really stepped; return whether it did.
-    An fp16 GradScaler skips steps whose gradients hold inf/nan, and a wrapper such as accelerate's
-    AcceleratedOptimizer skips silently between gradient syncs; advancing the schedule anyway would run it
-    ahead. A step counts when the torch optimizer inside any wrappers (their `.optimizer`) ran its step and
-    the wrapper does not report `step_was_skipped`. While a wrapper's `gradient_state.sync_gradients` is
-    False, the half-accumulated gradients are neither unscaled nor clipped. Telling a skip costs at most
-    one read from the device per step, none without a scaler (bf16, fp32). clip_grad (None or 0 = off)
-    clips the global grad norm of `parameters` (default: all of the optimizer's), unscaled first.
-    Gradients are not zeroed: call optimizer.zero_grad(set_to_none=True) yourself."""
+    clip_grad (None or 0: off) clips the grad norm of `parameters` (default: the optimizer's) first."""
     ok = clip_grad is None or (_is_real(clip_grad) and clip_grad >= 0)
     _check(ok, "clip_grad", "None or a number >= 0", clip_grad)
-    if not getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True):
-        scaler = clip_grad = None  # between gradient syncs: the wrapper's step() does nothing
     if clip_grad and parameters is None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    # A torch optimizer on its own, with no scaler, always steps: no hook (a cost every step) to tell.
-    plain = scaler is None and _innermost(optimizer) is optimizer
+    # A GradScaler or a wrapper (accelerate's AcceleratedOptimizer and the like) may skip the step.
+    if scaler is not None or hasattr(optimizer, "optimizer") or hasattr(optimizer, "gradient_state") or (
+            hasattr(optimizer, "step_was_skipped")):
+        return _step_unless_skipped(optimizer, scheduler, scaler, clip_grad=clip_grad, parameters=parameters)
+    if clip_grad:
+        torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return True
+
+
+def _step_unless_skipped(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None,
+                         scaler: torch.amp.GradScaler | None, *, clip_grad: float | None,
+                         parameters: Iterable[torch.Tensor] | None) -> bool:
+    """optimizer_step with a GradScaler or a wrapper: the step counts when the torch optimizer inside ran
+    it (a step hook tells) and no wrapper reports `step_was_skipped`."""
+    if not getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True):
+        scaler = clip_grad = None  # between gradient syncs: the wrapper's step() does nothing
+    inner = optimizer  # the torch optimizer inside wrappers that keep it in `.optimizer`
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    plain = scaler is None and inner is optimizer  # steps for sure: no hook to tell
     called: list[bool] = []
-    hook = None if plain else _innermost(optimizer).register_step_post_hook(lambda *_: called.append(True))
+    hook = None if plain else inner.register_step_post_hook(lambda *_: called.append(True))
     try:
         if clip_grad:
             if scaler is not None:
@@ -255,10 +254,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | No
             hook.remove()
     stepped = (plain or bool(called)) and not getattr(optimizer, "step_was_skipped", False)
     if scaler is not None:
-        # scaler.step calls a plain optimizer only when the gradients are finite (its own read, which the
-        # hook sees for free). A fused one (GradScaler's own test below) is always called and skips on the
-        # device: the scale is read once after update() and compared with the one after the previous call
-        # (a skip shrinks it; torch enforces backoff_factor < 1).
+        # A fused optimizer (GradScaler's own test) is called even on a skipped step and skips on the
+        # device: the scale, read once after update(), tells (a skip shrinks it).
         skips_on_device = scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False)
         if skips_on_device and scaler not in _scale_after_update:
             _scale_after_update[scaler] = scaler.get_scale()  # first call with this scaler: one extra read
@@ -272,40 +269,19 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | No
     return stepped
 
 
-def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside wrappers that keep it in `.optimizer` (accelerate's AcceleratedOptimizer
-    and the like). lr_find.py has its own copy: each file works alone."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 # pragma: no mutate block (the preview CLI below is not in the mutation score; docs/testing.md)
-def _fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _plot(lrs: list[float], title: str, path: str) -> str:
-    try:
-        from matplotlib.figure import Figure  # no pyplot state or GUI backend involved
-    except ImportError:
-        return "matplotlib is not installed; no PNG written"
-    ax = Figure(figsize=(7, 3.5), layout="tight").add_subplot()
-    ax.plot(lrs)
-    ax.set(xlabel="optimizer step", ylabel="learning rate", title=title)
-    try:
-        ax.figure.savefig(path)
-    except OSError as exc:
-        _fail(f"cannot write {path}: {exc}")
-    return f"wrote {path}"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Preview a schedule on a dummy SGD optimizer (momentum 0.9): a table of lr and momentum,
     and a plot only when --png PATH is given (nothing is written otherwise)."""
+    import argparse  # the preview's alone
+    from typing import NoReturn
+
+    def fail(message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.error = _fail
+    parser.error = fail
     parser.add_argument("--schedule", required=True, choices=SCHEDULES)
     parser.add_argument("--total-steps", required=True, type=int)
     parser.add_argument("--lr", type=float, default=0.1)
@@ -322,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = build_scheduler(optimizer, args.schedule, args.total_steps,
                                     warmup_steps=args.warmup_steps, **options)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     lrs, momenta = [], []
     for _ in range(args.total_steps):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -333,8 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step':>8}  {'lr':>12}  {'momentum':>8}")
     for k in sorted({round(i * last / 11) for i in range(12)}):
         print(f"{k:>8}  {lrs[k]:>12.6g}  {momenta[k]:>8.4g}")
-    if args.png:
-        print(_plot(lrs, f"{args.schedule} ({args.total_steps} steps)", args.png))
+    if not args.png:
+        return 0
+    try:
+        from matplotlib.figure import Figure  # no pyplot state or GUI backend involved
+    except ImportError:
+        print("matplotlib is not installed; no PNG written")
+        return 0
+    ax = Figure(figsize=(7, 3.5), layout="tight").add_subplot()
+    ax.plot(lrs)
+    title = f"{args.schedule} ({args.total_steps} steps)"
+    ax.set(xlabel="optimizer step", ylabel="learning rate", title=title)
+    try:
+        ax.figure.savefig(args.png)
+    except OSError as exc:
+        fail(f"cannot write {args.png}: {exc}")
+    print(f"wrote {args.png}")
     return 0
 
 

@@ -202,6 +202,64 @@ def test_a_plain_optimizer_steps_with_no_hook_to_tell(clip, monkeypatch):
     assert hooked == [] and sched.last_epoch == 3
 
 
+class SkipsEveryOther(torch.optim.Optimizer):
+    """A wrapper with the torch optimizer in `.optimizer` and nothing else: it steps it every other call."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.calls = optimizer, 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            self.optimizer.step(closure)
+
+
+class ReportsItsSkips(torch.optim.SGD):
+    """An optimizer that says it skipped (step_was_skipped), with no `.optimizer` inside."""
+
+    step_was_skipped = True
+
+
+class Accumulating(torch.optim.SGD):
+    """An optimizer between gradient syncs (gradient_state.sync_gradients False), no `.optimizer` inside."""
+
+    gradient_state = type("GradientState", (), {"sync_gradients": False})()
+
+
+def test_each_mark_of_a_wrapper_alone_is_told(monkeypatch):
+    """`.optimizer`, `step_was_skipped` and `gradient_state` each make a wrapper: the step counts only when
+    the torch optimizer inside ran it and no skip was reported, and no gradient is clipped between syncs.
+    An optimizer with no other inside steps itself: nothing is hooked to tell."""
+    hooked = []
+    for kind in (ReportsItsSkips, Accumulating):
+        monkeypatch.setattr(kind, "register_step_post_hook", lambda self, hook: hooked.append(hook))
+    model, inner = make_optimizer()
+    sched = build_scheduler(inner, "cosine", 10)
+    wrapper = SkipsEveryOther(inner)
+    steps = count_steps(inner)
+    results = []
+    for _ in range(4):
+        model(torch.ones(1, 2)).sum().backward()
+        results.append(optimizer_step(wrapper, sched))
+    assert results == [False, True, False, True] and steps[0] == sched.last_epoch == 2
+    model = nn.Linear(2, 2)
+    opt = ReportsItsSkips(model.parameters(), lr=0.1)
+    sched = build_scheduler(opt, "cosine", 10)
+    model(torch.ones(1, 2)).sum().backward()
+    assert optimizer_step(opt, sched) is False and sched.last_epoch == 0
+    opt = Accumulating(model.parameters(), lr=0.1)
+    sched = build_scheduler(opt, "cosine", 10)
+    model(torch.ones(1, 2)).sum().mul(1e3).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert optimizer_step(opt, sched, clip_grad=1e-3) is True and sched.last_epoch == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert hooked == []
+
+
 class HostReads(TorchDispatchMode):
     """Counts reads from the device (.item(), float(t), bool(t)) made while it is active."""
 
