@@ -43,5 +43,5 @@ PY
 }
 hand_mutant train.py "(scaler.scale(loss) if scaler else loss).backward(weight)" "(scaler.scale(loss) if scaler else loss).backward()" \
     tests/test_accumulation.py
-hand_mutant machinery/checkpoints.py 'restore_rng_state(ckpt["rng"])' 'pass' \
+hand_mutant machinery/resume.py 'restore_rng_state(self.state["rng"])' 'pass' \
     tests/test_resume.py::test_kill_9_mid_epoch_then_resume_is_bit_identical
