@@ -259,7 +259,7 @@ def warm_options(cfg: Config, steps, total: int) -> dict:
     if warmup >= total:
         raise UserError(f"warmup_epochs {cfg.warmup_epochs} covers the whole run of {cfg.epochs} epochs; "
                         "lower it")
-    step_size = max(steps(cfg.step_size or max(cfg.epochs / 3, 1)), 1)
+    step_size = max(steps(cfg.step_size), 1) if cfg.step_size else None  # None: schedules.py's third
     options = {"step": dict(step_size=step_size, gamma=cfg.gamma),
                "cosine": dict(min_lr_ratio=cfg.min_lr_ratio)}
     return {**options.get(cfg.schedule, {}), "warmup_steps": warmup}

@@ -84,7 +84,28 @@ def test_step_default_decays_at_a_third_and_two_thirds_after_warmup(T, W, step_s
     assert seen == pytest.approx(want, rel=1e-12)
 
 
-def test_cosine_defaults_and_edges():
+@pytest.mark.parametrize(("T", "step_size", "gamma"), [(30, None, 0.1), (20, 4, 0.5), (7, 1, 0.9)])
+def test_step_without_warmup_equals_torchs_steplr_step_for_step(T, step_size, gamma):
+    """Issue 54, 15: "step" is StepLR's closed form in a LambdaLR (schedules.py says why): without warmup its
+    rates are torch.optim.lr_scheduler.StepLR's, step for step, its default step_size a third of the run."""
+    _, opt = make_optimizer()
+    ours = [lrs for lrs in run(opt, build_scheduler(opt, "step", T, step_size=step_size, gamma=gamma), T)]
+    _, opt = make_optimizer()
+    torchs = torch.optim.lr_scheduler.StepLR(opt, step_size=step_size or math.ceil(T / 3), gamma=gamma)
+    assert ours == pytest.approx(run(opt, torchs, T), rel=1e-12)
+
+
+def test_the_step_schedules_default_step_size_is_schedules_py_s_in_train_py_too():
+    """Issue 54, 14: one rule for the default step_size (a third of the steps after the warmup): with a warmup of
+    a third or more, train.py's schedule decays twice, as schedules.py's does, where it decayed once."""
+    import train
+    from configs import parse_config
+
+    cfg = parse_config(["--schedule", "step", "--epochs", "6", "--warmup-epochs", "3", "--gamma", "0.5"])
+    _, opt = make_optimizer()
+    scheduler, total = train.make_scheduler(cfg, opt, 10)  # 10 batches an epoch: 60 steps, 30 of warmup
+    direct = build_scheduler(make_optimizer()[1], "step", total, warmup_steps=30, gamma=0.5)
+    assert total == 60 and scheduler.lr_lambdas[0](59) == direct.lr_lambdas[0](59) == 0.25
     _, opt = make_optimizer()
     seen = run(opt, build_scheduler(opt, "cosine", 100), 100)
     assert seen[0][0] == BASES[0] and 0 < seen[-1][0] < 1e-3 * BASES[0]
