@@ -121,7 +121,7 @@ def _momentum(group: dict) -> float:
 def _lambda_schedule(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int,
                      options: dict) -> LambdaLR:
     """constant, warmup, step or cosine: torch's LambdaLR over _lr_factor, the options checked first. step is
-    StepLR's closed form in a LambdaLR, as the others: one class holds the warmup, the past-end hold, resume."""
+    StepLR's closed form in a LambdaLR, as the others: one class holds warmup, the past-end hold, resume."""
     _require(name != "warmup" or warmup_steps >= 1 or total_steps == 1,
              "warmup_steps must be >= 1 for warmup (but 0 in a one-step run): without one it is constant")
     if name == "step":
