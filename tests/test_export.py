@@ -3,15 +3,18 @@ runtime loads, its input steps inside (uint8 images in, as --predict reads them 
 as the dataset gives them), a dynamic batch axis, names and sizes in its metadata; checked against the
 PyTorch model before it is kept. Every bad case is one line, and leaves no file."""
 
+import csv
 import json
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
 import torch
 from conftest import add_entries, run_evaluate, run_main
+from PIL import Image
 from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 from test_predict import image_folder
@@ -23,7 +26,7 @@ import models
 import train
 from configs import Config, parse_config, parse_given
 from machinery import export
-from machinery.image_files import read_image
+from machinery.image_files import fitted, read_image
 
 CPU = ["--device", "cpu", "--num-workers", "0"]
 CHECKED = r"max abs difference (\S+), the top class agrees on 100.00% of them"
@@ -160,6 +163,48 @@ def test_the_docs_onnxruntime_lines_run(folder_run, capsys):
     printed = capsys.readouterr().out.split()
     right = [name == file.parent.name for name, file in zip(printed, files, strict=True)]
     assert len(printed) == len(files) and sum(right) / len(files) == summary["best_val_acc"]
+
+
+def odd_files(root: Path, folder: Path) -> list[Path]:
+    """Four of the folder run's val pictures in each mode PIL opens otherwise than 8-bit RGB: 16-bit
+    grayscale PNG (0..65535: PIL's convert alone clips it to 255), 32-bit integer and float TIFF, grayscale
+    with alpha, palette, CMYK JPEG, RGBA, 1-bit and GIF."""
+    folder.mkdir()
+    for file in sorted((root / "val").rglob("*.png"))[::3]:
+        rgb, stem = Image.open(file).convert("RGB"), folder / f"{file.parent.name}-{file.stem}"
+        gray = np.asarray(rgb.convert("L"))
+        Image.fromarray(gray.astype(np.uint16) * 257).save(f"{stem}-16bit.png")
+        Image.fromarray(gray.astype(np.int32) * 257).save(f"{stem}-32bit.tif")
+        Image.fromarray(gray.astype(np.float32) / 255).save(f"{stem}-float.tif")
+        for mode, suffix in (("LA", "png"), ("P", "png"), ("CMYK", "jpg"), ("RGBA", "png"), ("1", "png")):
+            rgb.convert(mode).save(f"{stem}-{mode.lower()}.{suffix}")
+        rgb.save(f"{stem}.gif")
+    files = sorted(folder.iterdir())
+    assert {Image.open(f).mode for f in files} == {"I;16", "I", "F", "LA", "P", "CMYK", "RGBA", "1"}
+    return files
+
+
+def test_the_docs_onnxruntime_lines_read_odd_modes_as_predict_does(folder_run, tmp_path, monkeypatch, capsys):
+    """Issue 54, 4: the docs' lines read 16-bit PNGs with PIL's convert, which clips what --predict scales
+    (4 of 9 such files got another class). On every odd mode, their pixels are --predict's read to the last
+    bit, and their class and its probability are those --predict wrote in predictions.csv."""
+    run, root, _, target = folder_run
+    files = odd_files(root, tmp_path / "odd")
+    code, _, err = run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "odd", "--checkpoint",
+                                run / "best.pt", "--out-dir", tmp_path, *CPU)
+    assert code == 0, err
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        predicted = {row["file"]: row for row in csv.DictReader(f)}
+    block = next(body for lang, body in blocks(read("docs/training.md"))
+                 if lang == "python" and "onnxruntime" in body)
+    for file in files:
+        scope = {}
+        exec(block.replace("runs/pets/model.onnx", str(target)).replace("my_images/val/3/014.png", str(file)),
+             scope)
+        assert (scope["pixels"] == fitted(read_image(str(file)), 16).permute(1, 2, 0).numpy()).all(), file
+        chances = torch.from_numpy(scope["outputs"]).softmax(1)[0]
+        row, printed = predicted[str(file)], capsys.readouterr().out.strip()
+        assert printed == row["class"] and abs(float(chances.max()) - float(row["probability"])) < 1e-4, file
 
 
 @pytest.mark.parametrize("model, resize, suffix", [("resnet18", 0, ".pt2"), ("squeezenet1_1", 17, ".onnx")])
