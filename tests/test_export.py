@@ -4,6 +4,7 @@ as the dataset gives them), a dynamic batch axis, names and sizes in its metadat
 PyTorch model before it is kept. Every bad case is one line, and leaves no file."""
 
 import csv
+import dataclasses
 import json
 import re
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 from conftest import add_entries, run_evaluate, run_main
 from PIL import Image
+from test_any_targets import docs_block
 from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 from test_predict import image_folder
@@ -247,6 +249,48 @@ def test_a_two_input_fork_exports_each_input_as_one_argument(dataset, suffix, na
     else:
         logits = torch.export.load(target).module()(*parts)
     assert (logits.argmax(1) == labels).float().mean().item() == pytest.approx(summary["best_val_acc"])
+
+
+def test_the_docs_variable_length_fork_exports_its_padded_clips_or_refuses_in_one_line(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Issue 54, 5: docs/your_data.md's `calls` (clips of 50 to 200 frames, padded to 200 by its Source's
+    collate, with their lengths as a second input) ended --export in torch's 'stack expects each tensor to
+    be equal size' traceback: the export stacked the clips itself. It takes the collate's batches now, two
+    inputs, and scores the run's accuracy; a collate that pads each batch to its own longest clip would
+    make a file of one length only: refused in one line, nothing left."""
+    scope, model_scope = {**vars(data), "DATASETS": {}}, dict(vars(models))
+    exec(docs_block("def calls(cfg: Config) -> Source:"), scope)
+    exec(docs_block("class LengthPooled(nn.Module):"), model_scope)
+    monkeypatch.setitem(data.DATASETS, "calls", scope["DATASETS"]["calls"])
+    monkeypatch.setitem(models.MODELS, "lengthpooled", model_scope["LengthPooled"])
+    cfg = parse_config(["--dataset", "calls", "--model", "lengthpooled", "--synthetic-size", "160",
+                        "--batch-size", "16", "--width", "16", "--optimizer", "adamw", "--lr", "0.01",
+                        "--epochs", "2", *CPU, "--out-dir", str(tmp_path / "run")])
+    summary, best = train.train(cfg), tmp_path / "run" / "best.pt"
+    out = exported(monkeypatch, capsys, best, tmp_path / "calls.onnx")
+    assert "first 32 examples" in out and re.search(CHECKED, out), out
+    assert metadata(tmp_path / "calls.onnx")["inputs"] == {"inputs_0": {"shape": ["N", 1, 40, 200],
+                                                                        "dtype": "float32"},
+                                                           "inputs_1": {"shape": ["N"], "dtype": "int64"}}
+    val = scope["calls"](cfg).val
+    (clips, lengths), labels = scope["padded"]([val[i] for i in range(len(val))])
+    feed = {"inputs_0": clips.numpy(), "inputs_1": lengths.numpy()}
+    logits = torch.from_numpy(session(tmp_path / "calls.onnx").run(None, feed)[0])
+    assert (logits.argmax(1) == labels).float().mean().item() == summary["best_val_acc"]
+
+    def longest(examples):  # each batch padded to its own longest clip
+        (clips, lengths), labels = scope["padded"](examples)
+        return (clips[..., :int(lengths.max())], lengths), labels
+
+    monkeypatch.setitem(data.DATASETS, "calls", lambda cfg: dataclasses.replace(scope["calls"](cfg),
+                                                                                collate=longest))
+    before = sorted(tmp_path.iterdir())
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", best, "--export", tmp_path / "x.pt2",
+                                  *CPU)
+    line = assert_one_line_failure(code, out, err)
+    assert "--export: the data's batches change shape with their examples (inputs_0 [1, 1, 40, " in line, line
+    assert "pad every batch to one shape in the Source's collate" in line
+    assert sorted(tmp_path.iterdir()) == before  # no file, no staging folder
 
 
 def unexportable(self, x):  # a Python branch on a tensor's values: torch.export cannot trace it
