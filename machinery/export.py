@@ -176,8 +176,11 @@ def write(deployed: Deployed, example: tuple, path: Path, names: tuple, metadata
     try:
         axes = {"inputs": tuple({0: batch} for _ in example)}  # each argument's first axis: one batch
         program = torch.export.export(deployed, example, dynamic_shapes=axes)
-        if path.suffix == ".pt2":
-            torch.export.save(program, path, extra_files={"metadata.json": json.dumps(metadata)})
+        if path.suffix == ".pt2":  # into memory: torch's writer, its disk full, aborts the process
+            saved = io.BytesIO()
+            torch.export.save(program, saved, extra_files={"metadata.json": json.dumps(metadata)})
+            with open(path, "wb") as f:  # here a full disk is an OSError, said in one line below
+                f.write(saved.getbuffer())
             return "a torch.export program"
         onnx = torch.onnx.export(program, dynamo=True, verbose=False, input_names=names[0],
                                  output_names=names[1])

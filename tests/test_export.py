@@ -5,8 +5,12 @@ PyTorch model before it is kept. Every bad case is one line, and leaves no file.
 
 import csv
 import dataclasses
+import io
 import json
 import re
+import resource
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,11 +18,11 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import add_entries, run_evaluate, run_main
+from conftest import LAUNCH, ROOT, add_entries, run_evaluate, run_main
 from PIL import Image
 from test_any_targets import docs_block
 from test_docs import blocks, read
-from test_faults import assert_one_line_failure
+from test_faults import DiskFull, assert_one_line_failure
 from test_predict import image_folder
 from torchvision import transforms as T
 
@@ -343,6 +347,40 @@ def test_each_bad_case_is_one_line_and_leaves_no_file(case, digits_run, tmp_path
     if patch == "forward":  # the line names the user's line the exporter stopped at
         assert "at test_export.py:" in line, line
         assert "in unexportable: `if x.sum() > 0:`" in line
+
+
+def test_a_pt2_onto_a_full_disk_is_one_line_naming_the_disk(digits_run, tmp_path, monkeypatch, capsys):
+    """Issue 54, 6: torch's own writer, its disk full, gave a line blaming the model ('[enforce fail at
+    inline_container.cc:672] ; change that line of forward()'), then a C++ abort (exit 134). As .onnx does,
+    it says 'No space left on device' in one line, and leaves nothing (the disk as test_faults fills it)."""
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if Path(path).name == "model.pt2" and "w" in mode:
+            return io.BufferedWriter(DiskFull(1000))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(export, "open", full_disk, raising=False)
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", digits_run / "best.pt", "--export",
+                                  tmp_path / "model.pt2", *CPU)
+    line = assert_one_line_failure(code, out, err)
+    assert line == "error: --export: cannot write model.pt2 (No space left on device)\n", line
+    assert list(tmp_path.iterdir()) == []  # no file, no staging folder
+
+
+def test_a_pt2_write_the_os_refuses_is_one_line_not_a_cpp_abort(digits_run, tmp_path):
+    """The same with a real write error, which torch's C++ writer met: files limited to 100 kB (RLIMIT_FSIZE,
+    as a quota would), the write fails with EFBIG; the process ends in one line, not exit 134."""
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    done = subprocess.run([*LAUNCH, "evaluate.py", "--checkpoint", str(digits_run / "best.pt"),
+                           "--export", str(tmp_path / "model.pt2"), *CPU], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, preexec_fn=limited)
+    line = assert_one_line_failure(done.returncode, done.stdout, done.stderr)
+    assert done.returncode == 2 and line == "error: --export: cannot write model.pt2 (File too large)\n", line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_train_refuses_export_in_one_line(tmp_path, monkeypatch, capsys):
