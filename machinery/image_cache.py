@@ -143,7 +143,7 @@ def _opened(path: Path | None) -> tuple[_Old | None, str | None]:
             if size < len(MAGIC) + 16:
                 return None, "is cut short"
             if f.read(len(MAGIC)) != MAGIC:
-                return None, "is not a cache file of this version"
+                return None, "is of another format (another version's, or no cache file)"
             length, checksum = struct.unpack("<Q8s", f.read(16))
             if _start(length) > size:  # a damaged length: not read (it may ask for exabytes)
                 return None, "is cut short or has a damaged header"

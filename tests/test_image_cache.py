@@ -1,5 +1,5 @@
 """Image files at tensor speed (issue 48): decoded once, with the per-file read's own pixels, kept in a cache
-keyed by the files (path, size, modification time), the size, the channels and the reader; served by the
+keyed by the files (path, size, mtime, ctime, inode), the size, the channels and the reader; served by the
 device loader as tensors are (the same epochs, crops, flips and exact resume); shared by train.py,
 lr_find.py and evaluate.py; decoded once under torchrun; and where nothing can be kept or held, a fallback
 said in one line that still trains."""
