@@ -107,7 +107,8 @@ def export_model(model: torch.nn.Module, batches, path: Path, metadata: dict, *,
     against the PyTorch model on the split's first CHECKED examples (`classes`: the top class must agree
     too); the line that says what was written and what the check found."""
     n = min(CHECKED, batches.num_examples)
-    raw = batches.raw(n)  # the examples as the split holds them, unprepared
+    raw = batches.raw(n)  # the examples as the split holds them (a Dataset's by its collate), unprepared
+    one_shape(raw, batches.raw(1))
     with torch.no_grad():
         reference = members(model(batches.first(n)[0]))  # as the run's evaluation computes them
     deployed = Deployed(model, batches, batches.first(2)[0]).eval()
@@ -128,6 +129,20 @@ def export_model(model: torch.nn.Module, batches, path: Path, metadata: dict, *,
     return (f"{written}, {size:.1f} MiB, made in {exported:.1f} s; checked in {checked:.2f} s with {tool} "
             f"against PyTorch on the split's first {n} examples (batches of {n}, 1 and {ODD_BATCH}): {said}; "
             f"{theirs * 1e3:.3f} ms an example (PyTorch {ours * 1e3:.3f} ms)")
+
+
+def one_shape(batch, alone) -> None:
+    """Refused in one line: batches whose shapes past the batch axis change with their examples (a collate
+    that pads each batch to its own longest clip), as the file would take the traced shape only."""
+    changed = [(key, list(a.shape), list(b.shape)) for (key, a), b in zip(
+        members(alone).items(), members(batch).values(), strict=True) if a.shape[1:] != b.shape[1:]]
+    if changed:
+        key, first, first_n = changed[0]
+        name = graph_names([key], "inputs")[0]
+        raise UserError(f"--export: the data's batches change shape with their examples ({name} {first} for "
+                        f"the first example alone, {first_n} for the first {first_n[0]}), and the file would "
+                        "take one shape only; pad every batch to one shape in the Source's collate "
+                        "(docs/your_data.md's `padded`), or export the model in your own code")
 
 
 def graph_names(keys: list, what: str, deployed: Deployed | None = None) -> list[str]:
@@ -161,8 +176,11 @@ def write(deployed: Deployed, example: tuple, path: Path, names: tuple, metadata
     try:
         axes = {"inputs": tuple({0: batch} for _ in example)}  # each argument's first axis: one batch
         program = torch.export.export(deployed, example, dynamic_shapes=axes)
-        if path.suffix == ".pt2":
-            torch.export.save(program, path, extra_files={"metadata.json": json.dumps(metadata)})
+        if path.suffix == ".pt2":  # into memory: torch's writer, its disk full, aborts the process
+            saved = io.BytesIO()
+            torch.export.save(program, saved, extra_files={"metadata.json": json.dumps(metadata)})
+            with open(path, "wb") as f:  # here a full disk is an OSError, said in one line below
+                f.write(saved.getbuffer())
             return "a torch.export program"
         onnx = torch.onnx.export(program, dynamo=True, verbose=False, input_names=names[0],
                                  output_names=names[1])

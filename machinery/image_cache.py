@@ -2,17 +2,23 @@
 parallel and kept in one file per split (--image-cache; by default --data-dir/.image-cache/), uint8 and
 memory-mapped, which later runs, lr_find.py and evaluate.py read instead of the images.
 
-A split's cache file is keyed by its files (each one's path, size and modification time), the size and
-channels they are read at and the reader's version: a file changed, added or removed is decoded again, and
-the others' pixels come from the file as it was. It is written whole (a temporary file, then a rename), so
-a run stopped while writing leaves the old one. Under torchrun rank 0 decodes while the others wait, then
-they read its file. A place that cannot be written (a read-only data folder, a full disk) keeps nothing:
-the images are decoded into memory for this run, and a start-up line says why."""
+A split's cache file is keyed by its files (each one's path, size, modification time, status-change time
+and inode: what one stat gives, so a file replaced in place with its old size and modification time, as
+`rsync -a` or an archive with fixed times leaves it, has a new ctime or inode), the size and channels they
+are read at and the reader's version: a file changed, added or removed is decoded again, and the others'
+pixels come from the file as it was; an entry that lacks a field (a file written by another version) keys
+nothing. It is written whole (a temporary file, then a rename), so a run stopped while writing leaves the
+old one; its header carries its own checksum, so a damaged, cut-short or unreadable file is no cache: the
+images are decoded again and the start-up line says so. (The pixels are not checked: that would hash them
+all every run.) Under torchrun rank 0 decodes while the others wait, then they read its file. A place that
+cannot be written (a read-only data folder, a full disk) keeps nothing: the images are decoded into memory
+for this run, and a start-up line says why."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import time
@@ -30,7 +36,7 @@ from machinery.image_files import READER_VERSION, ImageFiles, printable
 from machinery.logs import progress_bar
 from machinery.workers import starting, worker_init
 
-MAGIC = b"tt-img01"  # a cache file's first bytes, then the header's length and the header (JSON)
+MAGIC = b"tt-img02"  # a cache file's first bytes; then the header's length, its BLAKE2b and the header (JSON)
 PAGE = 4096  # the pixels start at a page boundary, so that they map
 WORKERS_FROM = 256  # files to decode from which workers pay for their start
 
@@ -44,6 +50,18 @@ class Decoded:
     decoded: int
     seconds: float
     kept: str | None  # None: in the cache; else why not (a line's end)
+    unusable: str | None = None  # why the cache file there could not serve (damaged, cut short, ...)
+
+
+@dataclass
+class _Old:
+    """A cache file as read: its key (the header less the digests), the row of each file's entry, its
+    pixels (mapped) and their digests (None: not in the file)."""
+
+    key: dict
+    rows: dict[tuple, int]
+    pixels: torch.Tensor
+    digests: torch.Tensor | None
 
 
 def cache_folder(setting: str, data_dir: str) -> Path | None:
@@ -73,24 +91,23 @@ def decoded(files: ImageFiles, folder: Path | None, split: str) -> Decoded:
     shape = (len(files), files.channels, files.size, files.size)
     key = {"reader": READER_VERSION, "shape": list(shape), "files": _listed(files)}
     path = folder / f"{split}-{files.size}px-{files.mode.lower()}.u8" if folder else None
-    header, old = _opened(path)
-    if header and {k: v for k, v in header.items() if k != "digests"} == key:
-        kept = header.get("digests")  # none (a file written before the digests), or not whole: hashed now
-        whole = isinstance(kept, str) and len(kept) == 16 * len(old)
-        hashed = torch.from_numpy(np.frombuffer(bytes.fromhex(kept), "<i8").copy()) if whole else digests(old)
-        return Decoded(old, hashed, 0, time.perf_counter() - started, None)
+    old, unusable = _opened(path)
+    if old and old.key == key:  # digests not in the file (written before them): hashed now
+        hashed = old.digests if old.digests is not None else digests(old.pixels)
+        return Decoded(old.pixels, hashed, 0, time.perf_counter() - started, None)
     images = torch.empty(shape, dtype=torch.uint8)
-    rows = {tuple(entry): row for row, entry in enumerate(header["files"])} if header and (
-        header["shape"][1:] == list(shape[1:]) and header["reader"] == READER_VERSION) else {}
+    same_read = old and old.key["shape"][1:] == key["shape"][1:] and old.key["reader"] == READER_VERSION
+    rows = old.rows if same_read else {}
     kept = [(i, rows[tuple(entry)]) for i, entry in enumerate(key["files"]) if tuple(entry) in rows]
     if kept:  # the files that did not change: their pixels as they were
         new, was = (torch.tensor(column) for column in zip(*kept, strict=True))
-        images[new] = old[was]
+        images[new] = old.pixels[was]
     missing = sorted(set(range(len(files))) - {i for i, _ in kept})
     _decode(files, missing, images, split)
     hashed = digests(images)
     kept = _kept(path, {**key, "digests": hashed.numpy().astype("<i8").tobytes().hex()}, images)
-    return Decoded(images, hashed, len(missing), time.perf_counter() - started, kept)
+    said = f"the cache file {path.name} {unusable}: decoded again" if unusable else None
+    return Decoded(images, hashed, len(missing), time.perf_counter() - started, kept, said)
 
 
 def digests(images: torch.Tensor) -> torch.Tensor:
@@ -102,36 +119,59 @@ def digests(images: torch.Tensor) -> torch.Tensor:
 
 
 def _listed(files: ImageFiles) -> list[list]:
-    """Each file as the key sees it: its path (relative to --data-dir), size and modification time."""
+    """Each file as the key sees it: its path (relative to --data-dir), size, modification time, status-change
+    time and inode (a file rewritten in place, or renamed over, with its old size and mtime has new ones)."""
     entries = []
     for (path, _), relative in zip(files.items, files.relative(), strict=True):
         try:
             stat = os.stat(path)
-            entries.append([relative, stat.st_size, stat.st_mtime_ns])
+            entries.append([relative, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
         except OSError:  # gone since the scan: decoding it says so in one line
-            entries.append([relative, -1, -1])
+            entries.append([relative, -1, -1, -1, -1])
     return entries
 
 
-def _opened(path: Path | None) -> tuple[dict | None, torch.Tensor | None]:
-    """A cache file's header and its pixels, mapped (copy on write: nothing a run does reaches the file);
-    (None, None) where there is none or it is not one (cut short, another format)."""
+def _opened(path: Path | None) -> tuple[_Old | None, str | None]:
+    """A cache file, its pixels mapped (copy on write: nothing a run does reaches the file), or why it cannot
+    serve: (None, None) where there is none, (None, why) where it is cut short, damaged, unreadable or not
+    one. Its length is checked against the file before it is read, its header against its checksum."""
+    if path is None:
+        return None, None
     try:
         with open(path, "rb") as f:
-            magic, length = f.read(len(MAGIC)), struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(length)) if magic == MAGIC else None
-        start = _start(length)
+            size = os.fstat(f.fileno()).st_size
+            if size < len(MAGIC) + 16:
+                return None, "is cut short"
+            if f.read(len(MAGIC)) != MAGIC:
+                return None, "is of another format (another version's, or no cache file)"
+            length, checksum = struct.unpack("<Q8s", f.read(16))
+            if _start(length) > size:  # a damaged length: not read (it may ask for exabytes)
+                return None, "is cut short or has a damaged header"
+            text = f.read(length)
+        if hashlib.blake2b(text, digest_size=8).digest() != checksum:
+            return None, "has a damaged header"
+        header = json.loads(text)
         shape = tuple(header["shape"])
-        if os.path.getsize(path) != start + int(np.prod(shape)):
-            return None, None
-        pixels = np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=shape)
-        return header, torch.from_numpy(pixels)
-    except (OSError, TypeError, ValueError, KeyError, struct.error):  # none, or not ours
+        if size != _start(length) + math.prod(shape):
+            return None, "is cut short"
+        listed = header.pop("digests", None)  # none: a file written before the digests
+        hashed = None if listed is None else torch.from_numpy(np.frombuffer(bytearray.fromhex(listed), "<i8"))
+        rows = {tuple(entry): row for row, entry in enumerate(header["files"])}
+        if (hashed is not None and len(hashed) != shape[0]) or len(rows) != shape[0]:
+            return None, "has a damaged header"
+        pixels = np.memmap(path, dtype=np.uint8, mode="c", offset=_start(length), shape=shape)
+        return _Old(header, rows, torch.from_numpy(pixels), hashed), None
+    except FileNotFoundError:
         return None, None
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or type(err).__name__})"
+    except (TypeError, ValueError, KeyError, AttributeError, struct.error):
+        return None, "has a damaged header"
 
 
 def _start(header_length: int) -> int:
-    return -(-(len(MAGIC) + 8 + header_length) // PAGE) * PAGE
+    """Where the pixels start: the page after the header."""
+    return -(-(len(MAGIC) + 16 + header_length) // PAGE) * PAGE
 
 
 def _decode(files: ImageFiles, missing: list[int], into: torch.Tensor, split: str) -> None:
@@ -181,8 +221,9 @@ def _kept(path: Path | None, key: dict, images: torch.Tensor) -> str | None:
     start = _start(len(header))
 
     def write(f) -> None:
-        f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-        f.write(bytes(start - len(MAGIC) - 8 - len(header)))
+        f.write(MAGIC + struct.pack("<Q8s", len(header), hashlib.blake2b(header, digest_size=8).digest()))
+        f.write(header)
+        f.write(bytes(start - len(MAGIC) - 16 - len(header)))
         f.write(memoryview(images.numpy()).cast("B"))
 
     try:
@@ -194,8 +235,9 @@ def _kept(path: Path | None, key: dict, images: torch.Tensor) -> str | None:
 
 def describe(folder: Path | None, done: dict[str, Decoded]) -> str:
     """What the splits' decoding did, said at start-up: where the cache is, what was decoded."""
-    parts = [f"{split} {d.decoded:,} of {len(d.images):,} decoded in {d.seconds:.1f} s" if d.decoded
-             else f"{split} from the cache" for split, d in done.items()]
+    parts = [f"{split} {d.decoded:,} of {len(d.images):,} decoded in {d.seconds:.1f} s"
+             f"{f' ({d.unusable})' if d.unusable else ''}" if d.decoded else f"{split} from the cache"
+             for split, d in done.items()]
     why = next((d.kept for d in done.values() if d.kept), None)
     where = f"cache {printable(folder)}" if folder and not why else why
     return f"{', '.join(parts)}; {where}"

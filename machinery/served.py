@@ -70,9 +70,10 @@ class Batches:
         return self._prepared(*batch)
 
     def raw(self, n: int):
-        """The split's first n examples' inputs as held, before any step, on the CPU (what --export takes)."""
-        held = take(self.source, slice(0, n)) if self.tensors else torch.utils.data.default_collate(
-            [self.source[i][0] for i in range(n)])
+        """The split's first n examples' inputs as held, before any step, on the CPU (what --export takes):
+        a Dataset's batched by its collate, as training batches them (clips padded to one length, say)."""
+        held = take(self.source, slice(0, n)) if self.tensors else self.collate(
+            [self.source[i] for i in range(n)])[0]
         return each(lambda _, t: t.cpu(), held)
 
     def image_steps(self) -> dict:

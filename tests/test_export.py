@@ -3,17 +3,26 @@ runtime loads, its input steps inside (uint8 images in, as --predict reads them 
 as the dataset gives them), a dynamic batch axis, names and sizes in its metadata; checked against the
 PyTorch model before it is kept. Every bad case is one line, and leaves no file."""
 
+import csv
+import dataclasses
+import io
 import json
 import re
+import resource
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import add_entries, run_evaluate, run_main
+from conftest import LAUNCH, ROOT, add_entries, run_evaluate, run_main
+from PIL import Image
+from test_any_targets import docs_block
 from test_docs import blocks, read
-from test_faults import assert_one_line_failure
+from test_faults import DiskFull, assert_one_line_failure
 from test_predict import image_folder
 from torchvision import transforms as T
 
@@ -23,7 +32,7 @@ import models
 import train
 from configs import Config, parse_config, parse_given
 from machinery import export
-from machinery.image_files import read_image
+from machinery.image_files import fitted, read_image
 
 CPU = ["--device", "cpu", "--num-workers", "0"]
 CHECKED = r"max abs difference (\S+), the top class agrees on 100.00% of them"
@@ -162,6 +171,48 @@ def test_the_docs_onnxruntime_lines_run(folder_run, capsys):
     assert len(printed) == len(files) and sum(right) / len(files) == summary["best_val_acc"]
 
 
+def odd_files(root: Path, folder: Path) -> list[Path]:
+    """Four of the folder run's val pictures in each mode PIL opens otherwise than 8-bit RGB: 16-bit
+    grayscale PNG (0..65535: PIL's convert alone clips it to 255), 32-bit integer and float TIFF, grayscale
+    with alpha, palette, CMYK JPEG, RGBA, 1-bit and GIF."""
+    folder.mkdir()
+    for file in sorted((root / "val").rglob("*.png"))[::3]:
+        rgb, stem = Image.open(file).convert("RGB"), folder / f"{file.parent.name}-{file.stem}"
+        gray = np.asarray(rgb.convert("L"))
+        Image.fromarray(gray.astype(np.uint16) * 257).save(f"{stem}-16bit.png")
+        Image.fromarray(gray.astype(np.int32) * 257).save(f"{stem}-32bit.tif")
+        Image.fromarray(gray.astype(np.float32) / 255).save(f"{stem}-float.tif")
+        for mode, suffix in (("LA", "png"), ("P", "png"), ("CMYK", "jpg"), ("RGBA", "png"), ("1", "png")):
+            rgb.convert(mode).save(f"{stem}-{mode.lower()}.{suffix}")
+        rgb.save(f"{stem}.gif")
+    files = sorted(folder.iterdir())
+    assert {Image.open(f).mode for f in files} == {"I;16", "I", "F", "LA", "P", "CMYK", "RGBA", "1"}
+    return files
+
+
+def test_the_docs_onnxruntime_lines_read_odd_modes_as_predict_does(folder_run, tmp_path, monkeypatch, capsys):
+    """Issue 54, 4: the docs' lines read 16-bit PNGs with PIL's convert, which clips what --predict scales
+    (4 of 9 such files got another class). On every odd mode, their pixels are --predict's read to the last
+    bit, and their class and its probability are those --predict wrote in predictions.csv."""
+    run, root, _, target = folder_run
+    files = odd_files(root, tmp_path / "odd")
+    code, _, err = run_evaluate(monkeypatch, capsys, "--predict", tmp_path / "odd", "--checkpoint",
+                                run / "best.pt", "--out-dir", tmp_path, *CPU)
+    assert code == 0, err
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        predicted = {row["file"]: row for row in csv.DictReader(f)}
+    block = next(body for lang, body in blocks(read("docs/training.md"))
+                 if lang == "python" and "onnxruntime" in body)
+    for file in files:
+        scope = {}
+        exec(block.replace("runs/pets/model.onnx", str(target)).replace("my_images/val/3/014.png", str(file)),
+             scope)
+        assert (scope["pixels"] == fitted(read_image(str(file)), 16).permute(1, 2, 0).numpy()).all(), file
+        chances = torch.from_numpy(scope["outputs"]).softmax(1)[0]
+        row, printed = predicted[str(file)], capsys.readouterr().out.strip()
+        assert printed == row["class"] and abs(float(chances.max()) - float(row["probability"])) < 1e-4, file
+
+
 @pytest.mark.parametrize("model, resize, suffix", [("resnet18", 0, ".pt2"), ("squeezenet1_1", 17, ".onnx")])
 def test_a_torchvision_model_exports(model, resize, suffix, tmp_path, monkeypatch, capsys):
     """resnet18 takes the 16 px images as they are; squeezenet1_1 needs 17 px: the resize the run did on
@@ -202,6 +253,48 @@ def test_a_two_input_fork_exports_each_input_as_one_argument(dataset, suffix, na
     else:
         logits = torch.export.load(target).module()(*parts)
     assert (logits.argmax(1) == labels).float().mean().item() == pytest.approx(summary["best_val_acc"])
+
+
+def test_the_docs_variable_length_fork_exports_its_padded_clips_or_refuses_in_one_line(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Issue 54, 5: docs/your_data.md's `calls` (clips of 50 to 200 frames, padded to 200 by its Source's
+    collate, with their lengths as a second input) ended --export in torch's 'stack expects each tensor to
+    be equal size' traceback: the export stacked the clips itself. It takes the collate's batches now, two
+    inputs, and scores the run's accuracy; a collate that pads each batch to its own longest clip would
+    make a file of one length only: refused in one line, nothing left."""
+    scope, model_scope = {**vars(data), "DATASETS": {}}, dict(vars(models))
+    exec(docs_block("def calls(cfg: Config) -> Source:"), scope)
+    exec(docs_block("class LengthPooled(nn.Module):"), model_scope)
+    monkeypatch.setitem(data.DATASETS, "calls", scope["DATASETS"]["calls"])
+    monkeypatch.setitem(models.MODELS, "lengthpooled", model_scope["LengthPooled"])
+    cfg = parse_config(["--dataset", "calls", "--model", "lengthpooled", "--synthetic-size", "160",
+                        "--batch-size", "16", "--width", "16", "--optimizer", "adamw", "--lr", "0.01",
+                        "--epochs", "2", *CPU, "--out-dir", str(tmp_path / "run")])
+    summary, best = train.train(cfg), tmp_path / "run" / "best.pt"
+    out = exported(monkeypatch, capsys, best, tmp_path / "calls.onnx")
+    assert "first 32 examples" in out and re.search(CHECKED, out), out
+    assert metadata(tmp_path / "calls.onnx")["inputs"] == {"inputs_0": {"shape": ["N", 1, 40, 200],
+                                                                        "dtype": "float32"},
+                                                           "inputs_1": {"shape": ["N"], "dtype": "int64"}}
+    val = scope["calls"](cfg).val
+    (clips, lengths), labels = scope["padded"]([val[i] for i in range(len(val))])
+    feed = {"inputs_0": clips.numpy(), "inputs_1": lengths.numpy()}
+    logits = torch.from_numpy(session(tmp_path / "calls.onnx").run(None, feed)[0])
+    assert (logits.argmax(1) == labels).float().mean().item() == summary["best_val_acc"]
+
+    def longest(examples):  # each batch padded to its own longest clip
+        (clips, lengths), labels = scope["padded"](examples)
+        return (clips[..., :int(lengths.max())], lengths), labels
+
+    monkeypatch.setitem(data.DATASETS, "calls", lambda cfg: dataclasses.replace(scope["calls"](cfg),
+                                                                                collate=longest))
+    before = sorted(tmp_path.iterdir())
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", best, "--export", tmp_path / "x.pt2",
+                                  *CPU)
+    line = assert_one_line_failure(code, out, err)
+    assert "--export: the data's batches change shape with their examples (inputs_0 [1, 1, 40, " in line, line
+    assert "pad every batch to one shape in the Source's collate" in line
+    assert sorted(tmp_path.iterdir()) == before  # no file, no staging folder
 
 
 def unexportable(self, x):  # a Python branch on a tensor's values: torch.export cannot trace it
@@ -254,6 +347,40 @@ def test_each_bad_case_is_one_line_and_leaves_no_file(case, digits_run, tmp_path
     if patch == "forward":  # the line names the user's line the exporter stopped at
         assert "at test_export.py:" in line, line
         assert "in unexportable: `if x.sum() > 0:`" in line
+
+
+def test_a_pt2_onto_a_full_disk_is_one_line_naming_the_disk(digits_run, tmp_path, monkeypatch, capsys):
+    """Issue 54, 6: torch's own writer, its disk full, gave a line blaming the model ('[enforce fail at
+    inline_container.cc:672] ; change that line of forward()'), then a C++ abort (exit 134). As .onnx does,
+    it says 'No space left on device' in one line, and leaves nothing (the disk as test_faults fills it)."""
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if Path(path).name == "model.pt2" and "w" in mode:
+            return io.BufferedWriter(DiskFull(1000))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(export, "open", full_disk, raising=False)
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", digits_run / "best.pt", "--export",
+                                  tmp_path / "model.pt2", *CPU)
+    line = assert_one_line_failure(code, out, err)
+    assert line == "error: --export: cannot write model.pt2 (No space left on device)\n", line
+    assert list(tmp_path.iterdir()) == []  # no file, no staging folder
+
+
+def test_a_pt2_write_the_os_refuses_is_one_line_not_a_cpp_abort(digits_run, tmp_path):
+    """The same with a real write error, which torch's C++ writer met: files limited to 100 kB (RLIMIT_FSIZE,
+    as a quota would), the write fails with EFBIG; the process ends in one line, not exit 134."""
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    done = subprocess.run([*LAUNCH, "evaluate.py", "--checkpoint", str(digits_run / "best.pt"),
+                           "--export", str(tmp_path / "model.pt2"), *CPU], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, preexec_fn=limited)
+    line = assert_one_line_failure(done.returncode, done.stdout, done.stderr)
+    assert done.returncode == 2 and line == "error: --export: cannot write model.pt2 (File too large)\n", line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_train_refuses_export_in_one_line(tmp_path, monkeypatch, capsys):

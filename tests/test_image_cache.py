@@ -1,5 +1,5 @@
 """Image files at tensor speed (issue 48): decoded once, with the per-file read's own pixels, kept in a cache
-keyed by the files (path, size, modification time), the size, the channels and the reader; served by the
+keyed by the files (path, size, mtime, ctime, inode), the size, the channels and the reader; served by the
 device loader as tensors are (the same epochs, crops, flips and exact resume); shared by train.py,
 lr_find.py and evaluate.py; decoded once under torchrun; and where nothing can be kept or held, a fallback
 said in one line that still trains."""
@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import lr_find
 import train
 from configs import parse_config
 from machinery import checkpoints, files, image_cache, placement, workers
-from machinery.image_files import ImageFiles, folder_splits
+from machinery.image_files import READER_VERSION, ImageFiles, folder_splits
 from machinery.stops import Interrupted
 
 FLAGS = ["--dataset", "imagefolder", "--image-size", "8", "--width", "4", "--batch-size", "4", "--epochs",
@@ -108,6 +109,78 @@ def test_a_changed_added_or_removed_file_is_decoded_again_and_only_it(images):
     assert image_cache.decoded(split_files(images), place, "train").decoded == 18
 
 
+def damage(cache: Path, how: str) -> None:
+    """The cache file damaged as issue 54 found it: a byte of the header's length (dd, seek 14), a digest's
+    hex digit made bad or made another, cut short, or another file in its place."""
+    data = bytearray(cache.read_bytes())
+    at = data.index(b'"digests": "') + len(b'"digests": "') + 5
+    if how == "a byte of the length":
+        data[14] = 1
+    elif how in ("a bad hex digit in a digest", "another hex digit in a digest"):
+        data[at] = ord("g" if how.startswith("a bad") else "0" if data[at] != ord("0") else "1")
+    elif how == "cut short":
+        del data[5000:]
+    else:
+        data[:] = b"\x89PNG another file entirely" * 300
+    cache.write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["a byte of the length", "a bad hex digit in a digest",
+                                 "another hex digit in a digest", "cut short", "another file"])
+def test_a_damaged_cache_file_is_no_cache_the_images_are_decoded_again_and_a_line_says_so(
+        how, images, tmp_path, monkeypatch, capsys):
+    """Issue 54, 1: a byte of the header changed ended every later run in 'out of memory', a bad hex digit in
+    the digests in a 27-line traceback, another hex digit in a wrong digest said nowhere."""
+    argv = [*FLAGS, "--data-dir", images]
+    code, _, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "first")
+    assert code == 0, err
+    cache = images / ".image-cache" / "train-8px-rgb.u8"
+    fresh = image_cache.decoded(split_files(images), cache.parent, "train")
+    damage(cache, how)
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--out-dir", tmp_path / "second")
+    assert code == 0 and err == "", err
+    said = [line for line in out.splitlines() if line.startswith("image files decoded once")]
+    assert len(said) == 1 and "train 18 of 18 decoded in" in said[0] and "val from the cache" in said[0], out
+    assert "(the cache file train-8px-rgb.u8 " in said[0], said[0]
+    assert ": decoded again), val from the cache; cache " in said[0], said[0]
+    again = image_cache.decoded(split_files(images), cache.parent, "train")  # written anew, whole
+    assert again.decoded == 0 and torch.equal(again.images, reads(split_files(images)))
+    assert torch.equal(again.digests, fresh.digests)
+
+
+@pytest.mark.parametrize("how", ["written in place", "renamed over"])
+def test_a_file_replaced_with_its_old_size_and_modification_time_is_decoded_again(how, images):
+    """Issue 54, 2: an archive with fixed times or `rsync -a` replaces a file with one of the same size and
+    mtime; the key (path, size, mtime) trained on the old pixels. Its ctime and inode are in the key now."""
+    place, target = images / ".image-cache", images / "train" / "a" / "x.bmp"
+    Image.new("RGB", (9, 9), (200, 0, 0)).save(target)  # BMP: the same size for any pixels
+    assert image_cache.decoded(split_files(images), place, "train").decoded == 19
+    before = os.stat(target)
+    time.sleep(0.05)  # past the file system's clock tick: the ctime a rewrite gets is another
+    if how == "written in place":
+        Image.new("RGB", (9, 9), (0, 0, 200)).save(target)
+    else:
+        Image.new("RGB", (9, 9), (0, 0, 200)).save(images / "new.bmp")
+        os.replace(images / "new.bmp", target)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(target)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = image_cache.decoded(split_files(images), place, "train")
+    assert again.decoded == 1 and torch.equal(again.images, reads(split_files(images)))
+
+
+def test_a_cache_file_written_before_the_ctime_and_inode_keys_nothing(images):
+    """A file whose entries lack fields the key has now (path, size and mtime only, as before issue 54)
+    serves no image, even where those fields match: each file is decoded again."""
+    place = images / ".image-cache"
+    fresh = image_cache.decoded(split_files(images), place, "train")
+    listed = [entry[:3] for entry in image_cache._listed(split_files(images))]  # an older template's entries
+    stale = {"reader": READER_VERSION, "shape": list(fresh.images.shape), "files": listed}
+    image_cache._kept(place / "train-8px-rgb.u8", stale, torch.zeros_like(fresh.images))
+    again = image_cache.decoded(split_files(images), place, "train")
+    assert again.decoded == 18 and torch.equal(again.images, fresh.images)
+
+
 def test_each_image_has_the_digest_of_its_pixels_decoded_or_from_the_cache(images):
     """The digests evaluate.py counts a split's images by (issue 49, 5): of the pixels, so a renamed copy has
     its original's; the same read back from the cache file's header, where a file without them is hashed."""
@@ -120,8 +193,8 @@ def test_each_image_has_the_digest_of_its_pixels_decoded_or_from_the_cache(image
     shutil.copy(images / "train" / "a" / "0.png", images / "val" / "b" / "copy.png")
     val = image_cache.decoded(split_files(images, "val"), place, "val")
     assert int(torch.isin(val.digests, fresh.digests).sum()) == 1
-    header, pixels = image_cache._opened(place / "train-8px-rgb.u8")  # as written before the digests
-    image_cache._kept(place / "train-8px-rgb.u8", {k: v for k, v in header.items() if k != "digests"}, pixels)
+    old, _ = image_cache._opened(place / "train-8px-rgb.u8")  # as written before the digests
+    image_cache._kept(place / "train-8px-rgb.u8", old.key, old.pixels)
     assert torch.equal(image_cache.decoded(split_files(images), place, "train").digests, fresh.digests)
 
 
