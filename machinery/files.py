@@ -13,6 +13,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch.distributed as dist
+
 from configs import UserError, first_line
 from machinery import processes
 
@@ -133,8 +135,6 @@ def downloading(folder: Path, failed: str) -> Iterator[bool]:
 
 
 def barrier() -> None:
-    """Under torchrun, wait for every process here."""
-    if "RANK" in os.environ:
-        from machinery import torchrun
-
-        torchrun.barrier()
+    """In a process group, wait for every process here."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

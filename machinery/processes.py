@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 
 from configs import UserError
 
@@ -58,7 +59,9 @@ ALONE = Alone(None)  # one process's sums and gathers (evaluate()'s default)
 
 
 def rank() -> int:
-    """This process's rank, as torchrun sets it; 0 alone."""
+    """This process's rank: its process group's, or as torchrun sets it before one starts; 0 alone."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
