@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, add_entries, build_loaders, run_main
 from entries import entries
-from forks import binned, boxes, keypoints, paired, regression
+from forks import binned, boxes, keypoints, paired, regression, reversal
 from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 
@@ -254,6 +254,46 @@ def test_the_regression_fork_says_its_positions_move_and_crops_of_them_are_one_l
     assert ("task.py says its targets move with them (TARGETS_MOVE_WITH_IMAGES = True) and gives no "
             "augmented_targets to move them: define augmented_targets(") in line
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- issue 54: 10, what a model returns
+
+def test_a_model_that_decodes_in_eval_mode_trains_where_its_task_takes_both(tmp_path, monkeypatch, capsys):
+    """docs/your_data.md: a model returns one tensor, and in eval mode it may return another shape (here ids
+    [N, T] where training gets logits [N, tokens, T], as a greedy decode gives them); its task takes both
+    (forks/reversal.py: TARGETS = "any", a loss of the eval-mode outputs too, a Tally of the decodes). With
+    TARGETS = "classes" the decode is refused at start-up in one line, and so is a model that returns a
+    tuple, with nothing written."""
+    add_entries(monkeypatch, "reversal_data", "reversal_model")
+    seen, add = [], reversal.Tally.add
+    monkeypatch.setattr(reversal.Tally, "add", lambda self, outputs, *rest: seen.append(outputs.shape) or add(
+        self, outputs, *rest))
+    flags = ["--dataset", "reversed_tokens", "--model", "reverser", *SMALL, "--width", "16",
+             "--synthetic-size", "256", "--batch-size", "32", "--optimizer", "adamw", "--lr", "0.02"]
+    summary = train.train(parse_config([*flags, "--epochs", "6", "--out-dir", str(tmp_path / "run")]), None,
+                          reversal)
+    assert "reverser takes [2, 6] int64 and gives [2, 6]" in capsys.readouterr().out  # eval mode's
+    assert seen and {shape[1:] for shape in seen} == {(6,)}  # the decoded ids, never the logits
+    assert summary["val_acc"] > 0.9 and summary["val_loss"] == pytest.approx(1 - summary["val_acc"])
+
+    monkeypatch.setattr(reversal, "TARGETS", "classes")
+    monkeypatch.setattr(train.train, "__defaults__", (None, reversal))
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, *flags, "--out-dir", tmp_path / "classes"))
+    assert "model reverser gives outputs [2, 6] for [2, 6] int64 inputs, and the targets are [2, 6]" in line
+
+    class Pair(models.nn.Module):  # outputs and something else: one tensor is what the task's loss gets
+        def __init__(self, channels: int, num_outputs: int, width: int = 32, dropout: float = 0.0):
+            super().__init__()
+            self.reverser = models.MODELS["reverser"](channels, num_outputs, width, dropout)
+
+        def forward(self, ids):
+            return self.reverser(ids), ids
+
+    monkeypatch.setitem(models.MODELS, "pair", Pair)
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, *flags, "--model", "pair", "--out-dir",
+                                             tmp_path / "pair"))
+    assert "the model pair returns a tuple, not a tensor of outputs" in line
+    assert not (tmp_path / "classes").exists() and not (tmp_path / "pair").exists()
 
 
 # ---------------------------------------------------------------- issue 49: 6, 8 and 11
