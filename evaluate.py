@@ -110,6 +110,9 @@ def predict(cfg: Config, given: dict, task=default_task) -> None:
     cfg = evaluated_config(cfg, given, ckpt["config"])  # built as it was trained
     device, names = processes.pick_device(cfg.device, cfg.deterministic), ckpt["data"]["names"]
     reading = ckpt["inputs"]["reading"]  # how the run read its images
+    size, unflipped = (reading["size"],) * 2, getattr(task, "unflipped_outputs", None)  # optional
+    back = unflipped and (lambda mirrored: unflipped(mirrored, size))  # --tta flip: a mirror's outputs back
+    moves = hasattr(task, "augmented_targets") or bool(getattr(task, "TARGETS_MOVE_WITH_IMAGES", False))
     batches, files, skipped = prediction_batches(cfg, Path(cfg.predict), reading, device)
     model = build_model(cfg, reading["channels"], len(names), device, fresh=False).eval()
     load_weights(model, ckpt, len(names), f"--checkpoint {path}", new_head=False)
@@ -118,7 +121,7 @@ def predict(cfg: Config, given: dict, task=default_task) -> None:
         with logs.progress_bar(len(batches), 0, "predict") as bar:
             for images, _ in batches.epoch(0):
                 with autocast(device, amp_dtype):
-                    outputs.append(predicted(model, images, cfg.tta))
+                    outputs.append(predicted(model, images, cfg.tta, back, moves=moves))
                 bar.update()
     except UnreadableImage as err:
         line = re.sub(r" \(class folder '.*?'\)", "", str(err))  # these files are of no class
@@ -149,15 +152,24 @@ def export(cfg: Config, given: dict, task=default_task) -> None:
     print(f"{target}: {said}")
 
 
-def predicted(model: torch.nn.Module, images: torch.Tensor, tta: str) -> torch.Tensor:
-    """A batch's outputs; --tta flip averages in the mirror images' (per-pixel outputs flipped back, so
-    that each pixel's output meets its own)."""
+def predicted(model: torch.nn.Module, images: torch.Tensor, tta: str, unflipped=None, *,
+              moves: bool = False) -> torch.Tensor:
+    """A batch's outputs; --tta flip averages in the mirror images', mapped back by `unflipped` (the task's
+    unflipped_outputs) or, per-pixel outputs, flipped back, so that each pixel's output meets its own. Other
+    outputs are averaged as they are, unless the task `moves` its targets with flips: then it is refused."""
     outputs = model(images).float()
     if tta != "flip":
         return outputs
     mirrored = model(images.flip(-1)).float()
-    if mirrored.ndim > 2 and mirrored.shape[-1] == images.shape[-1]:  # a map over the image's columns
+    if unflipped is not None:
+        mirrored = unflipped(mirrored).float()
+    elif mirrored.ndim > 2 and mirrored.shape[-1] == images.shape[-1]:  # a map over the image's columns
         mirrored = mirrored.flip(-1)
+    elif moves:  # points, boxes: a mirror image's are elsewhere, and its left is the image's right
+        raise UserError("--tta flip averages each image's outputs with its mirror image's, and task.py moves "
+                        "its targets with flips (augmented_targets, or TARGETS_MOVE_WITH_IMAGES = True) but "
+                        "does not say how a mirror image's outputs map back: define "
+                        "unflipped_outputs(outputs, size) in task.py (docs/your_data.md), or leave --tta off")
     return (outputs + mirrored) / 2
 
 

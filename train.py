@@ -189,7 +189,8 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
                                   needs=input_needs(cfg.model, cfg.pretrained),
-                                  follow=getattr(task, "augmented_targets", None))  # optional
+                                  follow=getattr(task, "augmented_targets", None),  # optional
+                                  moves=getattr(task, "TARGETS_MOVE_WITH_IMAGES", None))  # optional
     if trains:
         contract.check_trainable(cfg, info)
     model = build_model(cfg, info.input_shape[0], len(info.names), device, fresh=fresh, notes=info.notes)
@@ -198,14 +199,15 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
 
 
 def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs, shard=(0, 1),
-                  follow=None) -> tuple:
+                  follow=None, moves=None) -> tuple:
     """The data path, chosen once: one tensor a split on the device (machinery/batches.py), or any other data
     (machinery/served.py: several inputs, host memory, workers, targets a task's hook moves)."""
     if plain(cfg, source, device, follow):
-        return build_plain(cfg, source, device, targets=targets, needs=needs, shard=shard)
+        return build_plain(cfg, source, device, targets=targets, needs=needs, shard=shard, moves=moves)
     from machinery.served import build_served
 
-    return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow)
+    return build_served(cfg, source, device, targets=targets, needs=needs, shard=shard, follow=follow,
+                        moves=moves)
 
 
 def averaged(model: torch.nn.Module, decay: float):

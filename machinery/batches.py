@@ -225,15 +225,15 @@ def plain(cfg: Config, source, device: torch.device, follow) -> bool:
 
 
 def build_plain(cfg: Config, source, device: torch.device, *, targets: str, needs,
-                shard: tuple[int, int] = (0, 1)) -> tuple[Splits, DataInfo]:
+                shard: tuple[int, int] = (0, 1), moves: bool | None = None) -> tuple[Splits, DataInfo]:
     """Train, val and test batches of `source` (data.Source, plain()) for this process (`shard`: rank, of how
-    many), their targets checked as the task takes them (`targets`: task.TARGETS), images fitted to what the
-    model `needs`."""
+    many), their targets checked as the task takes them (`targets`: task.TARGETS, `moves`: its
+    TARGETS_MOVE_WITH_IMAGES), images fitted to what the model `needs`."""
     splits = contract.checked_sizes(cfg, source, shard[1])
     example = splits["train"][0][0]
     image = example.dtype == torch.uint8 and example.ndim == 3
     size = example.shape[-2:] if image else None  # per-pixel targets have the images' (H, W)
-    spec, said = contract.check_splits(splits, list(source.names), targets, size, None)
+    spec, said = contract.check_splits(splits, list(source.names), targets, size, None, moves)
     notes = list(source.notes)
     steps = image_steps(cfg, source, splits["train"][0], needs, notes) if image else None
     note = contract.image_steps_note(steps, spec, cfg) if image else contract.plain_inputs(cfg, source, needs,

@@ -8,8 +8,9 @@ task.TARGETS says what the task's loss takes:
 - "values": numbers, read as float32, shaped as the model's outputs; [N] is [N, 1] for one output;
 - "any": as the data gives them; the check is one batch: the loss of two examples is one finite number.
 Targets whose last two dimensions are the images' height and width are dense: crops and flips move them,
-and a crop's padding gets IGNORE_INDEX, which the loss and metrics skip. One class id or one row of values
-per example stays as it is; others (boxes) follow crops and flips only by task.augmented_targets.
+and a crop's padding gets IGNORE_INDEX, which the loss and metrics skip. One class id per example stays as
+it is; other targets (a point, a box, an age) stay only where task.TARGETS_MOVE_WITH_IMAGES is False, and
+follow crops and flips only by task.augmented_targets: the template cannot tell a position from an age.
 
 Each check reads in a line or two; the line it ends with, when it fails, is built below, under "refusals".
 """
@@ -37,7 +38,9 @@ class Targets:
     dense: bool  # one per pixel: the image steps move them too
     class_counts: torch.Tensor | None  # training examples (pixels, if dense) per class; None: unknown
     class_ids: torch.Tensor | None  # each training example's class (one per example), for balanced sampling
-    per_example: bool = False  # one class id or one row of values per example: crops and flips keep them
+    per_example: bool = False  # one class id or one row of values per example
+    stays: bool = False  # crops and flips leave them as they are: a class id an example, or as task.py says
+    moves: bool | None = None  # task.TARGETS_MOVE_WITH_IMAGES (None: task.py says nothing)
     follow: Callable | None = None  # the task's augmented_targets: how its targets follow crops and flips
 
 
@@ -54,10 +57,10 @@ def checked_sizes(cfg: Config, source, world_size: int) -> dict:
 
 
 def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None,
-                 collate: Callable | None) -> tuple[Targets, str]:
+                 collate: Callable | None, moves: bool | None = None) -> tuple[Targets, str]:
     """Each split's targets read as the task takes them and checked (`splits`: name to an (inputs, targets)
     pair, converted in place, or a Dataset whose first example `collate` batches alone; `image_size`: the
-    images' (H, W), or None); what was found, and the line that says so."""
+    images' (H, W), or None; `moves`: task.TARGETS_MOVE_WITH_IMAGES); what was found, and its line."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
     checked = []
@@ -77,12 +80,13 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
             ids = targets if whole and kind == "classes" else None
             one_each = targets.ndim == 2 if kind == "values" else targets[0].numel() == 1  # id, or values
             per_example = kind != "any" and one_each
+            stays = moves is False or kind == "classes" and one_each  # a crop keeps a class id, or as said
     counts = None if ids is None else torch.bincount(ids[ids != IGNORE_INDEX], minlength=len(names))
     what = {"classes": f"class ids in [0, {len(names)})", "values": f"values for {len(names)} outputs",
             "any": "as the data gives them (TARGETS = \"any\")"}[kind]
     per_position = ids is not None and ids.ndim > 1  # tokens' ids, or pixels': no one class an example
     said = f"targets checked: {', '.join(checked)}, {what}{', one per pixel' if dense else ''}"
-    return Targets(kind, dense, counts, None if per_position else ids, per_example), said
+    return Targets(kind, dense, counts, None if per_position else ids, per_example, stays, moves), said
 
 
 def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
@@ -130,7 +134,7 @@ def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> s
     flip that the targets cannot follow is refused."""
     if targets.dense:
         check_dense(image, targets, cfg)
-    if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.per_example):
+    if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.stays):
         raise unmovable(image, targets, cfg)
     steps = ([f"a random crop after {image.pad} px of zero padding"] if image.pad else []) + (
         ["random left-right flips (--no-flip where a mirror changes the class: digits, text)"] if image.flip
@@ -139,7 +143,7 @@ def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> s
         why = "--no-augment" if not cfg.augment else f"none for {cfg.dataset}"
         return f"images{which}: no crop or flip ({why})"
     moved = ("; the targets follow them by task.py's augmented_targets" if targets.follow else
-             "; the per-pixel targets move with them" if targets.dense else "")  # one per example: they stay
+             "; the per-pixel targets move with them" if targets.dense else "")  # they stay, as said
     return f"images{which}: {' and '.join(steps)} on training batches{moved}"
 
 
@@ -338,12 +342,22 @@ def check_dense(image, targets: Targets, cfg: Config) -> None:
 
 
 def unmovable(image, targets: Targets, cfg: Config) -> UserError:
+    """Targets a crop or flip would leave where they were: the task says how they move, or that they stay."""
+    steps = f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), and"
+    hook = "augmented_targets(targets, shifts, flips, size) in task.py (docs/your_data.md)"
+    others = "set pad=0 and flip=False in the dataset's Source, or pass --no-augment"
+    if targets.moves:
+        return UserError(f"{steps} task.py says its targets move with them (TARGETS_MOVE_WITH_IMAGES = True) "
+                         f"and gives no augmented_targets to move them: define {hook}, or {others}")
+    if targets.kind == "values" and targets.per_example:
+        return UserError(f"{steps} the template cannot tell whether a row of values moves with its image (a "
+                         f"position) or stays (an age): define {hook} where they move, or set "
+                         f"TARGETS_MOVE_WITH_IMAGES = False in task.py where they stay; or {others}")
     what = ('TARGETS = "any" targets' if targets.kind == "any" else
             f"{targets.kind} targets that are neither one per example nor one per pixel")
-    return UserError(f"{cfg.dataset}'s images get crops and flips (pad={image.pad}, flip={image.flip}), and "
-                     f"the template cannot move {what} with them: define augmented_targets(targets, shifts, "
-                     "flips, size) in task.py (docs/your_data.md), set pad=0 and flip=False in the dataset's "
-                     "Source, or pass --no-augment")
+    return UserError(f"{steps} the template cannot move {what} with them: define {hook}, or set "
+                     "TARGETS_MOVE_WITH_IMAGES = False there where a crop and a flip leave them as they are; "
+                     f"or {others}")
 
 
 def refuse_crops(cfg: Config, source, shown: str) -> None:

@@ -171,7 +171,7 @@ class Batches:
 
 
 def build_served(cfg: Config, source, device: torch.device, *, targets: str, needs,
-                 shard: tuple[int, int] = (0, 1), follow=None) -> tuple[Splits, DataInfo]:
+                 shard: tuple[int, int] = (0, 1), follow=None, moves=None) -> tuple[Splits, DataInfo]:
     """Train, val and test batches of data batches.plain() does not take (train.build_loaders chooses),
     as batches.build_plain builds them, and the data's DataInfo."""
     rank, world_size = shard
@@ -187,7 +187,7 @@ def build_served(cfg: Config, source, device: torch.device, *, targets: str, nee
     if keys != [None]:
         contract.check_image_model(cfg, needs, described(sample))
     size = parts[keys[0]].shape[-2:] if keys else None  # (H, W) of the (first) image input: dense targets'
-    spec, said = contract.check_splits(splits, list(source.names), targets, size, collate)
+    spec, said = contract.check_splits(splits, list(source.names), targets, size, collate, moves)
     spec.follow = follow
     image, reading = _image_inputs(cfg, source, (splits["train"], {key: parts[key] for key in keys}),
                                    (spec, needs), notes)

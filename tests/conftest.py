@@ -48,11 +48,13 @@ import models  # noqa: E402
 import train  # noqa: E402
 
 
-def build_loaders(cfg, device="cpu", rank: int = 0, world_size: int = 1, *, targets: str = "classes"):
-    """(train, val, test, info): cfg.dataset's batches as train.setup() builds them, without the model."""
+def build_loaders(cfg, device="cpu", rank: int = 0, world_size: int = 1, *, targets: str = "classes",
+                  moves: bool | None = None):
+    """(train, val, test, info): cfg.dataset's batches as train.setup() builds them, without the model
+    (`targets`, `moves`: the task's TARGETS and TARGETS_MOVE_WITH_IMAGES)."""
     splits, info = train.build_loaders(cfg, data.DATASETS[cfg.dataset](cfg), torch.device(device),
                                          targets=targets, needs=models.input_needs(cfg.model, cfg.pretrained),
-                                         shard=(rank, world_size))
+                                         shard=(rank, world_size), moves=moves)
     return splits.train, splits.val, splits.test, info
 
 

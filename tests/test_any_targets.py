@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, add_entries, build_loaders, run_main
 from entries import entries
-from forks import binned, boxes, paired
+from forks import binned, boxes, keypoints, paired, regression, reversal
 from test_docs import blocks, read
 from test_faults import assert_one_line_failure
 
@@ -146,27 +146,154 @@ def test_crops_and_flips_of_targets_the_template_cannot_move_are_one_line(tmp_pa
     assert code == 0 and "images: no crop or flip (--no-augment)" in out, err
 
 
-@pytest.mark.parametrize("targets, refused", [
-    (torch.arange(16) % 2, False),  # a class id an example: a crop keeps it
-    ((torch.arange(16) % 2)[:, None], False),  # the same as [N, 1]
-    (torch.rand(16, 3), False),  # a row of values an example
-    (torch.arange(16 * 5).view(16, 5) % 2, True),  # 5 class ids an image, not its pixels: where are they?
-    (torch.rand(16, 2, 3, 3), True),  # a coarse map of values, not the images' 8x8
-])
-def test_crops_and_flips_keep_one_target_an_example_and_refuse_targets_of_unknown_places(targets, refused,
-                                                                                        monkeypatch):
+NEITHER = "targets that are neither one per example nor one per pixel with them: define augmented_targets"
+AGE_OR_PLACE = ("the template cannot tell whether a row of values moves with its image (a position) or stays "
+                "(an age): define augmented_targets(targets, shifts, flips, size) in task.py "
+                "(docs/your_data.md) where they move, or set TARGETS_MOVE_WITH_IMAGES = False in task.py "
+                "where they stay; or set pad=0 and flip=False")
+
+
+@pytest.mark.parametrize("targets, moves, refused", [
+    (torch.arange(16) % 2, None, None),  # a class id an example: a crop keeps it
+    ((torch.arange(16) % 2)[:, None], None, None),  # the same as [N, 1]
+    (torch.rand(16, 3), False, None),  # a row of values an example that task.py says stays (an age)
+    (torch.rand(16, 3), None, AGE_OR_PLACE),  # a position, or an age? (issue 54: trained in silence)
+    (torch.rand(16, 3), True, "task.py says its targets move with them (TARGETS_MOVE_WITH_IMAGES = True) "
+                              "and gives no augmented_targets to move them: define augmented_targets("),
+    (torch.arange(16 * 5).view(16, 5) % 2, None, f"cannot move classes {NEITHER}"),  # 5 ids an image: where?
+    (torch.rand(16, 2, 3, 3), None, f"cannot move values {NEITHER}"),  # a coarse map, not the images' 8x8
+    (torch.rand(16, 2, 3, 3), False, None),  # ... that task.py says stays
+], ids=["ids", "ids-column", "values-stay", "values-unsaid", "values-move", "ids-of-places", "map",
+        "map-stays"])
+def test_crops_and_flips_keep_one_target_an_example_and_refuse_targets_of_unknown_places(targets, moves,
+                                                                                        refused, monkeypatch):
+    """One class id an example stays; other targets stay only where task.py says so
+    (TARGETS_MOVE_WITH_IMAGES = False), and are refused where it says nothing, or that they move with no
+    augmented_targets to move them, in one line that names the ways out."""
     kind = "values" if targets.is_floating_point() else "classes"
     pixels = torch.randint(0, 255, (16, 1, 8, 8), dtype=torch.uint8)
     monkeypatch.setitem(data.DATASETS, "placed", lambda cfg: data.Source(
         (pixels, targets), (pixels[:4], targets[:4]), 3 if kind == "values" else 5, pad=1, flip=True))
     cfg = parse_config(["--dataset", "placed", *SMALL, "--batch-size", "8"])
     if refused:
-        with pytest.raises(UserError, match=f"cannot move {kind} targets that are neither one per example "
-                                            "nor one per pixel with them: define augmented_targets"):
-            build_loaders(cfg, targets=kind)
-    else:
-        assert "images: a random crop after 1 px of zero padding and random left-right flips" in " ".join(
-            build_loaders(cfg, targets=kind)[3].notes)
+        with pytest.raises(UserError, match=re.escape(refused)):
+            build_loaders(cfg, targets=kind, moves=moves)
+        return
+    train_batches, _, _, info = build_loaders(cfg, targets=kind, moves=moves)
+    assert "images: a random crop after 1 px of zero padding and random left-right flips" in " ".join(
+        info.notes)
+    order = batches.epoch_plan(16, cfg.seed, 0, pad=1, flip=True)[0]
+    assert torch.equal(next(iter(train_batches.epoch(0)))[1].view(8, -1).float(),
+                       targets[order[:8]].view(8, -1).float())  # as the data gave them
+
+
+# ---------------------------------------------------------------- issue 54: 7, keypoints that move
+
+def face(image: torch.Tensor) -> list[int]:
+    """The face in one [H, W] image of pixels in [0, 1] (forks/keypoints_data.py): the eyes (220) left to
+    right by column, then the nose (140), each (x, y)."""
+    eyes = sorted((x, y) for y, x in (image > 0.7).nonzero().tolist())
+    nose = [(x, y) for y, x in ((image > 0.45) & (image < 0.7)).nonzero().tolist()]
+    assert len(eyes) == 2 and len(nose) == 1, (eyes, nose)
+    return [c for point in [*eyes, *nose] for c in point]
+
+
+def test_keypoints_follow_their_images_crops_and_flips_and_a_mirror_swaps_the_eyes(monkeypatch):
+    """forks/keypoints.py's augmented_targets: each training image's three points, found in the batch as the
+    model gets it (cropped after 2 px of padding, flipped), are exactly where its targets say, the left
+    eye being the one on the image's left, in mirror images too."""
+    add_entries(monkeypatch, "keypoints_data")
+    cfg = parse_config(["--dataset", "face_points", *SMALL, "--synthetic-size", "64", "--batch-size", "64"])
+    source = data.DATASETS["face_points"](cfg)
+    splits, _ = train.build_loaders(cfg, source, torch.device("cpu"), targets="values",
+                                    needs=models.input_needs(cfg.model, cfg.pretrained),
+                                    follow=keypoints.augmented_targets)
+    order, offsets, flips = batches.epoch_plan(64, cfg.seed, 0, pad=2, flip=True)
+    assert flips.any() and not flips.all() and (offsets != 2).any()  # some moved, some mirrored
+    inputs, moved = next(splits.train.epoch(0))
+    assert not torch.equal(moved, source.train[1][order])  # the points are not where the data put them
+    seen = [face(image) for image in splits.train.denormalize(inputs)[:, 0]]
+    assert moved.tolist() == seen
+
+
+def test_keypoints_unsaid_are_refused_in_one_line_that_names_both_ways(tmp_path, monkeypatch, capsys):
+    """`python train.py` with the keypoints fork without augmented_targets: [N, 6] values, as an age's would
+    be, with crops and flips; the template cannot tell a position from an age, so it refuses in one line
+    naming both ways (it trained in silence on points the crops had moved), with nothing written."""
+    add_entries(monkeypatch, "keypoints_data")
+    monkeypatch.delattr(keypoints, "augmented_targets")
+    monkeypatch.setattr(train.train, "__defaults__", (None, keypoints))  # task.py: the fork's
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, "--dataset", "face_points", *SMALL,
+                                             "--synthetic-size", "64", "--out-dir", tmp_path / "run"))
+    assert line.startswith("error: face_points's images get crops and flips (pad=2, flip=True), and "
+                           f"{AGE_OR_PLACE}"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_keypoints_fork_trains_and_says_its_points_follow(tmp_path, monkeypatch, capsys):
+    add_entries(monkeypatch, "keypoints_data")
+    cfg = parse_config(["--dataset", "face_points", *SMALL, "--synthetic-size", "64", "--batch-size", "32",
+                        "--epochs", "1", "--optimizer", "adamw", "--lr", "0.01", "--out-dir", str(tmp_path)])
+    summary = train.train(cfg, None, keypoints)
+    assert ("random left-right flips (--no-flip where a mirror changes the class: digits, text) on training "
+            "batches; the targets follow them by task.py's augmented_targets") in capsys.readouterr().out
+    assert summary["val_distance"] > 0
+
+
+def test_the_regression_fork_says_its_positions_move_and_crops_of_them_are_one_line(tmp_path, monkeypatch,
+                                                                                    capsys):
+    """forks/regression.py predicts a square's position (TARGETS_MOVE_WITH_IMAGES = True) and says not how a
+    crop moves it: its data with pad and flip on is refused in one line, with nothing written."""
+    add_entries(monkeypatch, "regression_data")
+    positions = data.DATASETS["square_positions"]
+    monkeypatch.setitem(data.DATASETS, "square_positions",
+                        lambda cfg: dataclasses.replace(positions(cfg), pad=1, flip=True))
+    monkeypatch.setattr(train.train, "__defaults__", (None, regression))
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, "--dataset", "square_positions", *SMALL,
+                                             "--synthetic-size", "64", "--out-dir", tmp_path / "run"))
+    assert ("task.py says its targets move with them (TARGETS_MOVE_WITH_IMAGES = True) and gives no "
+            "augmented_targets to move them: define augmented_targets(") in line
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- issue 54: 10, what a model returns
+
+def test_a_model_that_decodes_in_eval_mode_trains_where_its_task_takes_both(tmp_path, monkeypatch, capsys):
+    """docs/your_data.md: a model returns one tensor, and in eval mode it may return another shape (here ids
+    [N, T] where training gets logits [N, tokens, T], as a greedy decode gives them); its task takes both
+    (forks/reversal.py: TARGETS = "any", a loss of the eval-mode outputs too, a Tally of the decodes). With
+    TARGETS = "classes" the decode is refused at start-up in one line, and so is a model that returns a
+    tuple, with nothing written."""
+    add_entries(monkeypatch, "reversal_data", "reversal_model")
+    seen, add = [], reversal.Tally.add
+    monkeypatch.setattr(reversal.Tally, "add", lambda self, outputs, *rest: seen.append(outputs.shape) or add(
+        self, outputs, *rest))
+    flags = ["--dataset", "reversed_tokens", "--model", "reverser", *SMALL, "--width", "16",
+             "--synthetic-size", "256", "--batch-size", "32", "--optimizer", "adamw", "--lr", "0.02"]
+    summary = train.train(parse_config([*flags, "--epochs", "6", "--out-dir", str(tmp_path / "run")]), None,
+                          reversal)
+    assert "reverser takes [2, 6] int64 and gives [2, 6]" in capsys.readouterr().out  # eval mode's
+    assert seen and {shape[1:] for shape in seen} == {(6,)}  # the decoded ids, never the logits
+    assert summary["val_acc"] > 0.9 and summary["val_loss"] == pytest.approx(1 - summary["val_acc"])
+
+    monkeypatch.setattr(reversal, "TARGETS", "classes")
+    monkeypatch.setattr(train.train, "__defaults__", (None, reversal))
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, *flags, "--out-dir", tmp_path / "classes"))
+    assert "model reverser gives outputs [2, 6] for [2, 6] int64 inputs, and the targets are [2, 6]" in line
+
+    class Pair(models.nn.Module):  # outputs and something else: one tensor is what the task's loss gets
+        def __init__(self, channels: int, num_outputs: int, width: int = 32, dropout: float = 0.0):
+            super().__init__()
+            self.reverser = models.MODELS["reverser"](channels, num_outputs, width, dropout)
+
+        def forward(self, ids):
+            return self.reverser(ids), ids
+
+    monkeypatch.setitem(models.MODELS, "pair", Pair)
+    line = assert_one_line_failure(*run_main(monkeypatch, capsys, *flags, "--model", "pair", "--out-dir",
+                                             tmp_path / "pair"))
+    assert "the model pair returns a tuple, not a tensor of outputs" in line
+    assert not (tmp_path / "classes").exists() and not (tmp_path / "pair").exists()
 
 
 # ---------------------------------------------------------------- issue 49: 6, 8 and 11

@@ -114,7 +114,8 @@ def evaluated(rank: int, world_size: int) -> dict:
              "flags": process.gather({"odd": (mine % 2 == 1)[:, None], "n": mine.float()})}
     for task, dataset, outputs in ((multilabel, "digit_facts", 3), (classification, "digits", 10)):
         cfg = parse_config([*SMALL, "--dataset", dataset])
-        _, val, _, info = build_loaders(cfg, rank=rank, world_size=world_size, targets=task.TARGETS)
+        _, val, _, info = build_loaders(cfg, rank=rank, world_size=world_size, targets=task.TARGETS,
+                                        moves=getattr(task, "TARGETS_MOVE_WITH_IMAGES", None))
         torch.manual_seed(0)
         result = train.evaluate(models.build_model(cfg, 1, outputs), val, task, cfg, info, None, process)
         found[task.NAME] = result.metrics

@@ -15,7 +15,7 @@ from PIL import Image
 import data
 import evaluate
 import train
-from configs import Config, parse_config, parse_given, resolve
+from configs import Config, UserError, parse_config, parse_given, resolve
 from machinery.weights import load_weights
 from models import build_model
 
@@ -222,6 +222,87 @@ def test_tta_flip_averages_each_image_with_its_mirror(digits_run, tmp_path, monk
     assert "tta" not in results["none", "as_is"]["header"]
 
 
+def locate(images: torch.Tensor) -> torch.Tensor:
+    """A model that finds forks/keypoints_data.py's faces exactly, in images of pixel values 0..255: the eyes
+    (220) left to right, then the nose (140), each (x, y)."""
+    faces = []
+    for image in images[:, 0]:
+        eyes = sorted((x, y) for y, x in (image > 180).nonzero().tolist())
+        nose = [(x, y) for y, x in ((image > 100) & (image < 180)).nonzero().tolist()]
+        faces.append([c for point in [*eyes, *nose] for c in point])
+    return torch.tensor(faces, dtype=torch.float32)
+
+
+def test_tta_flip_maps_a_mirror_images_points_back_by_the_task(monkeypatch):
+    """Issue 54, 8: a model that finds each face's points exactly gives them exactly under --tta flip too,
+    its mirror images' points mapped back by forks/keypoints.py's unflipped_outputs (mirrored, the eyes
+    swapped); averaged as they are they were pixels off (the left eye's x averaged with the right eye's
+    mirror: up to 1.5 px off here), and without the task's way back --tta flip is one line."""
+    from forks import keypoints
+
+    add_entries(monkeypatch, "keypoints_data")
+    images, points = data.DATASETS["face_points"](parse_config(["--synthetic-size", "32"])).train
+    images = images.float()
+    assert torch.equal(locate(images), points)
+    def back(mirrored):  # as evaluate.predict gives it
+        return keypoints.unflipped_outputs(mirrored, (12, 12))
+
+    assert torch.equal(evaluate.predicted(locate, images, "flip", back, moves=True), points)
+    as_they_are = evaluate.predicted(locate, images, "flip")
+    assert (as_they_are - points).abs().max() >= 1  # where the model is exact
+    with pytest.raises(UserError, match=r"^--tta flip averages each image's outputs with its mirror image's, "
+                                        r"and task.py moves its targets with flips .* define "
+                                        r"unflipped_outputs\(outputs, size\) in task.py"):
+        evaluate.predicted(locate, images, "flip", None, moves=True)
+
+
+@pytest.fixture(scope="module")
+def keypoints_run(tmp_path_factory):
+    """A one-epoch run of the keypoints fork, and 8 of its val images as 12x12 grayscale PNG files."""
+    from entries import entries
+    from forks import keypoints
+
+    out = tmp_path_factory.mktemp("keypoints")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(data.DATASETS, "face_points", entries("keypoints_data")[0]["face_points"])
+        cfg = parse_config([*CPU, "--dataset", "face_points", "--synthetic-size", "64", "--epochs", "1",
+                            "--width", "8", "--batch-size", "32", "--optimizer", "adamw", "--lr", "0.01",
+                            "--out-dir", str(out / "run")])
+        train.train(cfg, None, keypoints)
+        images = data.DATASETS["face_points"](cfg).val[0][:8]
+    (out / "pngs").mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image[0].numpy()).save(out / "pngs" / f"{i}.png")
+    return out / "run", out / "pngs", images
+
+
+def test_tta_flip_of_a_keypoints_fork_averages_its_points_mapped_back(keypoints_run, tmp_path, monkeypatch):
+    """`evaluate.py --predict --tta flip` with the keypoints fork: each row is the mean of the model's points
+    for the image and for its mirror image mapped back by the task; without unflipped_outputs it is one
+    line, and nothing is written."""
+    from forks import keypoints
+
+    run, pngs, images = keypoints_run
+    given = parse_given(["--predict", str(pngs), "--checkpoint", str(run / "best.pt"), "--tta", "flip",
+                         "--out-dir", str(tmp_path / "flip"), *CPU])
+    evaluate.predict(Config(**given), given, keypoints)
+    header, *rows = rows_of(tmp_path / "flip" / "predictions.csv")
+    assert header == ["file", "left_x", "left_y", "right_x", "right_y", "nose_x", "nose_y", "tta"]
+    model, ckpt = evaluate.load_trained(run / "best.pt")
+    reading = ckpt["inputs"]["reading"]
+    x = (images.float() / 255 - torch.tensor(reading["mean"]).view(1, -1, 1, 1)) / torch.tensor(
+        reading["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        want = (model(x) + keypoints.unflipped_outputs(model(x.flip(-1)), (12, 12))) / 2
+    got = torch.tensor([[float(v) for v in row[1:-1]] for row in rows])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    monkeypatch.delattr(keypoints, "unflipped_outputs")
+    given["out_dir"] = str(tmp_path / "refused")
+    with pytest.raises(UserError, match="define unflipped_outputs"):
+        evaluate.predict(Config(**given), given, keypoints)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_the_default_checkpoint_is_runs_default_best_pt(digits_run, tmp_path, monkeypatch, capsys):
     run, pngs, _ = digits_run
     monkeypatch.chdir(tmp_path)
@@ -257,6 +338,9 @@ def test_the_forks_tasks_say_what_a_prediction_is(tmp_path, monkeypatch, capsys)
         if task is regression:
             assert header == ["file", "row", "column"]
             assert all(-5 < float(value) < 5 for row in rows for value in row[1:])
+            flipped = {**given, "tta": "flip", "out_dir": str(tmp_path / "flipped")}  # a square's position
+            with pytest.raises(UserError, match="task.py moves its targets with flips .* define unflipped_"):
+                evaluate.predict(Config(**flipped), flipped, task)
         else:
             assert header == ["file", "tags", "even", "above_4", "prime"]
             for row in rows:

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from conftest import ROOT, TEMPLATE_TASK, add_entries, crash_at_step, default_task_only, fingerprint
-from forks import binned, boxes, multilabel, multilabel_ap, regression, weighted
+from forks import binned, boxes, keypoints, multilabel, multilabel_ap, regression, reversal, weighted
 from test_resume import assert_same_state, final_state
 from test_sync import per_step
 
@@ -140,9 +140,11 @@ def test_the_docs_name_all_the_template_reads_of_a_task():
     code = "\n".join(path.read_text() for path in [*scripts, *ROOT.glob("machinery/*.py")])
     read = set(re.findall(r"\btask\.(\w+)", code)) | set(re.findall(r'getattr\(task, "(\w+)"', code))
     assert read - {"py"} - set(listed) == set()  # task.py, the file
-    assert {name for name, optional in listed.items() if optional} == {"augmented_targets"}
+    assert {name for name, optional in listed.items() if optional} == {
+        "TARGETS_MOVE_WITH_IMAGES", "augmented_targets", "unflipped_outputs"}
     required = {name for name, optional in listed.items() if not optional}
     assert len(required) == 16, sorted(required)
-    forks = (classification, regression, multilabel, weighted, binned, multilabel_ap, boxes)
+    forks = (classification, regression, multilabel, weighted, binned, multilabel_ap, boxes, keypoints,
+             reversal)
     for task in (TEMPLATE_TASK, *forks):
         assert required - set(vars(task)) == set(), task.NAME

@@ -16,6 +16,7 @@ from machinery.processes import ALONE
 NAME = "multilabel"
 METRICS = ("loss", "f1")
 TARGETS = "values"  # one number per output
+TARGETS_MOVE_WITH_IMAGES = False  # facts about the digit's number: a crop keeps them (digit_facts pads)
 MAIN_METRIC, HIGHER_IS_BETTER = "f1", True
 SAVED_PICTURES = ()
 THRESHOLD = 0.5

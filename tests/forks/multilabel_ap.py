@@ -13,6 +13,7 @@ import torch.nn.functional as F
 NAME = "multilabel_ap"
 METRICS = ("loss", "map")
 TARGETS = "values"  # one 0/1 number per label
+TARGETS_MOVE_WITH_IMAGES = False  # facts about the digit's number: a crop keeps them (digit_facts pads)
 MAIN_METRIC, HIGHER_IS_BETTER = "map", True
 SAVED_PICTURES = ()
 

@@ -17,6 +17,8 @@ from machinery.processes import ALONE
 NAME = "regression"
 METRICS = ("loss", "mae")
 TARGETS = "values"  # one number per output
+TARGETS_MOVE_WITH_IMAGES = True  # a position: a crop or flip moves it, and this task says not how (no
+# augmented_targets), so a Source's pad or flip is refused, and so is evaluate.py --predict --tta flip
 MAIN_METRIC, HIGHER_IS_BETTER = "mae", False
 SAVED_PICTURES = ()
 
