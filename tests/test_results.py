@@ -197,7 +197,9 @@ def test_ema_moves_only_after_a_step_that_was_taken(tmp_path, monkeypatch):
         next(model.parameters()).register_hook(poison)
         return model
 
-    class Recorded(train.Ema):
+    from machinery import precision  # train.averaged builds its Ema there, only for --ema
+
+    class Recorded(precision.Ema):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             emas.append(self)
@@ -208,7 +210,7 @@ def test_ema_moves_only_after_a_step_that_was_taken(tmp_path, monkeypatch):
         return history[-1][0]
 
     monkeypatch.setattr(train, "build_model", build_model)
-    monkeypatch.setattr(train, "Ema", Recorded)
+    monkeypatch.setattr(precision, "Ema", Recorded)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
     train.train(parse_config([*TINY, "--epochs", "2", "--amp", "fp16", "--ema", "0.5",
                               "--out-dir", str(tmp_path)]))
