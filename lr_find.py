@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         device = processes.pick_device(cfg.device, cfg.deterministic)
         splits, info, model = setup(cfg, task, device)  # seeded by --seed first
         print(*info.notes, sep="\n")
+        if hasattr(model, "turns"):  # a sweep steps one optimizer on one loss
+            raise UserError(f"lr_find.py sweeps one optimizer and {cfg.model} trains networks in turn: sweep "
+                            "one with lr_find() in your own code (docs/own_code.md), then train with --lr")
         optimizer = build_optimizer(model, cfg, cfg.find_start_lr)
         amp_dtype, scaler = processes.amp_setup(device, cfg.amp)  # fresh, as train.py's is here
         stream = (batch for epoch in itertools.count() for batch in splits.train.epoch(epoch))

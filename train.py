@@ -71,8 +71,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     # ---- Data, model, optimizer and schedule, built as lr_find.py builds them; val chooses best.pt.
     batches, info, model = setup(cfg, task, process.device, shard=process.shard, fresh=resumed is None)
     amp_dtype, scaler = amp_setup(process.device, cfg.amp)  # bf16 where the GPU has it, or fp16 + a scaler
-    optimizer = build_optimizer(model, cfg, lr)
-    scheduler, total_steps = make_scheduler(cfg, optimizer, info.batches)
+    optimizer, scheduler, turns, total_steps = optimizers(model, cfg, lr, info.batches, process.world_size)
     ema = averaged(model, cfg.ema) if cfg.ema else None  # evaluation and best.pt use it; never trained
     process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema)
 
@@ -113,25 +112,26 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                     normalizers = [task.normalizer(targets, cfg, info) for _, targets in window]
                     weight = step_weight(normalizers, process, weights)
                     stop.begin_step()
-                    for micro_step, (inputs, targets) in enumerate(window):
-                        with process.gradient_sync(ddp_model, micro_step == len(window) - 1):  # the last's
-                            with autocast(process.device, amp_dtype):
-                                loss = task.loss(ddp_model(inputs), targets, cfg, info)
-                            # backward from `weight` rather than 1: loss x weight's gradients, no multiply
-                            (scaler.scale(loss) if scaler else loss).backward(weight)
-                        losses.append(loss.detach())
-                        if progress.start_loss is None:  # a fresh run's first batch: the divergence yardstick
-                            progress.start_loss = (losses[0] / normalizers[0]).item()
-                            log.images({"inputs": task.input_picture(
-                                inputs, targets, info.names, batches.train.to_pixels)}, 0)
-                    counts += normalizers
+                    for turn, optimizer, scheduler in turns:  # turn: {}, or {"turn": which network}
+                        optimizer.zero_grad(set_to_none=free_gradients)  # its gradients, from nothing
+                        for micro_step, (inputs, targets) in enumerate(window):
+                            with process.gradient_sync(ddp_model, micro_step == len(window) - 1):  # last's
+                                with autocast(process.device, amp_dtype):
+                                    loss = task.loss(ddp_model(inputs, **turn), targets, cfg, info, **turn)
+                                # backward from `weight` rather than 1: loss x weight's gradients, no multiply
+                                (scaler.scale(loss) if scaler else loss).backward(weight)
+                            losses.append(loss.detach())
+                            if progress.start_loss is None:  # a new run's first batch: divergence's yardstick
+                                progress.start_loss = (losses[0] / normalizers[0]).item()
+                                log.images({"inputs": task.input_picture(
+                                    inputs, targets, info.names, batches.train.to_pixels)}, 0)
+                        counts += normalizers  # networks in turn: train/loss is their losses' mean
 
-                    # The step, the schedule's after it only if it happened (fp16: skipped on inf); no sync
-                    step_lr = optimizer.param_groups[0]["lr"]  # this step's, shown at the log point
-                    if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad or None) and ema:
-                        progress.averaged += 1
-                        ema.update(progress.averaged)
-                    optimizer.zero_grad(set_to_none=free_gradients)
+                        # The step, the schedule's after it only if it happened (fp16: skips on inf); no sync
+                        step_lr = optimizer.param_groups[0]["lr"]  # this step's, shown at the log point
+                        if optimizer_step(optimizer, scheduler, scaler, clip_grad=cfg.clip_grad) and ema:
+                            progress.averaged += 1
+                            ema.update(progress.averaged)
                     progress.step += 1
                     progress.batch += len(window)
 
@@ -253,6 +253,31 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
     except ValueError as err:  # schedules.py checks its inputs; here that is a config problem
         raise UserError(f"the {cfg.schedule} schedule does not fit this run of {total} optimizer "
                         f"steps: {err}; change its options or --epochs") from None
+
+
+def optimizers(model: torch.nn.Module, cfg: Config, lr: float, batches_per_epoch: int,
+               world_size: int) -> tuple:
+    """The optimizer, its schedule, what each step steps and how many steps: one optimizer for the model, or
+    for a model that trains networks in turn (a GAN) each network's, saved together as the "optimizer"."""
+    if hasattr(model, "turns"):
+        return in_turn(model, cfg, lr, batches_per_epoch, world_size)
+    optimizer = build_optimizer(model, cfg, lr)
+    scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
+    return optimizer, scheduler, [({}, optimizer, scheduler)], total_steps
+
+
+def in_turn(model: torch.nn.Module, cfg: Config, lr: float, batches_per_epoch: int, world_size: int) -> tuple:
+    """The networks a model trains in turn (its turns(), machinery/turns.py), each with an optimizer and a
+    schedule of its own, built from the same flags as one model's."""
+    from machinery.turns import Turns, networks
+
+    turns = []
+    for turn, network in networks(model, world_size).items():
+        optimizer = build_optimizer(network, cfg, lr)
+        scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
+        turns.append((turn, optimizer, scheduler))
+    saved = Turns(turns)  # the checkpoint's "optimizer" and what the loop steps
+    return saved, None, saved, total_steps
 
 
 def warm_options(cfg: Config, steps, total: int) -> dict:

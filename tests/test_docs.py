@@ -96,6 +96,7 @@ PYTHON_BLOCKS = {
         "test_any_targets.py::test_boxes_follow_their_images_crops_and_flips_by_the_tasks_augmented_targets",
     "def calls(cfg: Config) -> Source:  # in data.py: [1, 40, T] spectrograms, T from 50 to 200 frames":
         "test_any_targets.py::test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line",
+    "class GAN(nn.Module):": "test_turns.py::test_the_docs_show_the_forks_model",
     "class LengthPooled(nn.Module):  # in models.py, added to MODELS as \"lengthpooled\"":
         "test_any_targets.py::test_the_docs_variable_length_clips_train_and_without_their_collate_are_one_line",
 }

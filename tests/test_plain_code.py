@@ -161,16 +161,18 @@ def test_the_sizes_the_layout_asks_for():
     image_cache, placement: about 350 lines net, most moved out of data.py), round five's fixes and the
     export: 6,400 is their budget, not a number to reach; a fork's reading order stays about 520. Issue 49
     gives lr_find.py 15 lines over its 600 for a bounded loss (NT-Xent): a curve that rises, never blows up,
-    and falls again is read up to that rise, where it suggested nothing, and the sweep's line says so.
+    and falls again is read up to that rise, where it suggested nothing, and the sweep's line says so; issue
+    54 gives it 3 more, to refuse a model that trains networks in turn (one optimizer is what it sweeps).
     Issue 53 (the plain path) moves what options need out of what a default run enters, which costs lines
     where it does not: a class for the common data beside the general one, the process objects (one process,
     torchrun's), resume, workers and torchrun in modules of their own, each refusal's line apart from its
     check (about +250); issue 54's fixes about +90 (the image cache's checksum and key, export's collate and
-    full disk, targets that move with the image, --tta flip through the task): 6,750."""
+    full disk, targets that move with the image, --tta flip through the task), and its networks trained in
+    turn (machinery/turns.py, train.py's optimizers and in_turn: about +90): 6,840."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
-    assert {file: n for file, n in lines.items() if n > (615 if file == "lr_find.py" else 400)} == {}
+    assert {file: n for file, n in lines.items() if n > (618 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
-    assert sum(lines.values()) <= 6750, sum(lines.values())
+    assert sum(lines.values()) <= 6840, sum(lines.values())
 
 
 def test_what_was_cut_stays_out():
