@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from configs import OUT_DIR_RESUMES, Config, UserError
+from configs import OUT_DIR_RESUMES, Config, UserError, validate
 from configs.resolve import MAY_CHANGE_ON_RESUME, differences
 from machinery import processes
 from machinery.files import write_json_atomic
@@ -28,7 +28,7 @@ def repeat(train: Callable, given: dict, task) -> dict:
     """The runs of the settings `given`, one a seed, each train(cfg, given) in its own folder (under torchrun
     every process runs each seed in turn: one distributed run a seed), then their statistics: written to
     seeds.json and printed by rank 0, and returned (rank 0; the others return {})."""
-    cfg = Config(**given)
+    cfg = validate(Config(**given))  # the ranges (each run checks its own choices)
     out_dir, seeds = Path(cfg.out_dir), range(cfg.seed, cfg.seed + cfg.seeds)
     check_repeat(cfg, out_dir)
     for seed in seeds:  # before any run: a kept seed of another config would be averaged with these
@@ -216,6 +216,7 @@ def comparison_table(result: dict) -> str:
                                                      f"{row['n'] - row['better'] - row['worse']} tied)")
             rows.append([name, f"{row['mean']:+.4g}", interval(row, "+"), str(row["n"]), better])
     return "\n".join([f"A {result['a']}, B {result['b']}: paired by seed over {len(seeds)} seeds "
-                      f"({shown_seeds(seeds)}); {result['main_metric']}: {direction} is better",
+                      f"({shown_seeds(seeds)}); the main metric, {result['main_metric']}: {direction} is "
+                      "better",
                       f"B changes: {', '.join(result['changed']) or 'no setting (the code, then?)'}",
                       aligned(rows)])
