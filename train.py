@@ -335,6 +335,10 @@ def main() -> None:
                         "or continue with --resume", program=__name__ == "__main__"):
         given = parse_given(description=__doc__.splitlines()[0], choices=CHOICES, offered=TRAIN_SETTINGS,
                             elsewhere=evaluate_takes)  # evaluate.py's flags: the command that takes them
+        if given.get("seeds"):  # --seeds N: a run a seed, then their spread (machinery/seeds.py)
+            from machinery.seeds import repeat
+
+            return repeat(train, given, default_task)
         train(Config(**given), given)
 
 

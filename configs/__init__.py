@@ -72,6 +72,7 @@ class Config:
     channels_last: bool = False
     compile: str = "off"
     seed: int = 0
+    seeds: int = 0
     log_to: str = "tensorboard,csv"
     log_model: bool = False
     deterministic: bool = False
@@ -103,8 +104,9 @@ LIMITS = {"image_size": ">= 0", "num_classes": "> 0", "channels": "> 0", "synthe
           "clip_grad": ">= 0", "ema": "in [0, 1)", "epochs": "> 0", "batch_size": "> 0", "accum_steps": "> 0",
           "warmup_epochs": ">= 0", "step_size": ">= 0", "gamma": "> 0", "min_lr_ratio": "in [0, 1]",
           "pct_start": "in (0, 1)", "div_factor": "> 0", "final_div_factor": "> 0", "find_start_lr": "> 0",
-          "find_end_lr": "> 0", "find_iters": ">= 10", "seed": "in [0, 2**32)", "dist_timeout": "> 0",
-          "log_every": "> 0", "save_every": ">= 0", "early_stop": ">= 0", "min_delta": ">= 0", "top_k": "> 0"}
+          "find_end_lr": "> 0", "find_iters": ">= 10", "seed": "in [0, 2**32)", "seeds": ">= 0",
+          "dist_timeout": "> 0", "log_every": "> 0", "save_every": ">= 0", "early_stop": ">= 0",
+          "min_delta": ">= 0", "top_k": "> 0"}
 # How each range is checked: never nan or inf. Seeds: epoch_plan's generator takes 64 bits.
 IN_RANGE = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
             ">= 10": lambda v: 10 <= v < math.inf, "in [0, 1]": lambda v: 0 <= v <= 1,

@@ -34,7 +34,10 @@ class Torchrun:
     @classmethod
     def joined(cls, device: torch.device, timeout_minutes: float) -> Torchrun:
         """The process group: nccl on GPUs, gloo on CPUs; its collectives wait `timeout_minutes` for every
-        process (--dist-timeout) before the job fails."""
+        process (--dist-timeout) before the job fails. A later run in the same process (--seeds) uses the
+        group the first one joined."""
+        if joined():
+            return cls(device)
         watch_parent()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store, _, _ = next(dist.rendezvous("env://", rank, world_size))

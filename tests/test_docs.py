@@ -65,6 +65,9 @@ MARKED = {
         "wandb sync runs/w/wandb/offline-run-*": "downloads",
         "python train.py --log-to mlflow --out-dir runs/m": "slow",
         "mlflow ui --backend-store-uri sqlite:///runs/mlflow.db": "runs until stopped",
+        "python train.py --seeds 5 --out-dir runs/base": "slow",
+        "python train.py --seeds 5 --label-smoothing 0.1 --out-dir runs/smooth": "slow",
+        "python compare_seeds.py runs/base runs/smooth": "slow",
     },
     "docs/your_data.md": {
         "python lr_find.py --dataset imagefolder --data-dir my_images --model resnet18 --pretrained "
