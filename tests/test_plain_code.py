@@ -166,11 +166,12 @@ def test_the_sizes_the_layout_asks_for():
     where it does not: a class for the common data beside the general one, the process objects (one process,
     torchrun's), resume, workers and torchrun in modules of their own, each refusal's line apart from its
     check (about +250); issue 54's fixes about +90 (the image cache's checksum and key, export's collate and
-    full disk, targets that move with the image, --tta flip through the task): 6,750."""
+    full disk, targets that move with the image, --tta flip through the task): 6,750. Issue 55's --throughput
+    and --profile, each in a module of its own that a default run never imports (about +235): 6,985."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
     assert {file: n for file, n in lines.items() if n > (615 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
-    assert sum(lines.values()) <= 6750, sum(lines.values())
+    assert sum(lines.values()) <= 6985, sum(lines.values())
 
 
 def test_what_was_cut_stays_out():
