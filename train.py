@@ -98,14 +98,16 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 "unlogged": checkpoints.unlogged(losses, counts)}  # losses since the last log point
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
-    started, speed, weights, val = time.perf_counter(), logs.Speed(), {}, None
+    speed = metered(cfg, model, batches, task, info, amp_dtype, process) if cfg.throughput else logs.Speed()
+    if cfg.profile:  # a torch.profiler trace of --profile steps after a warm-up, from the optimizer's hook
+        profiled(optimizer, cfg.profile, out_dir, process, steps_left=total_steps - progress.step)
+    started, weights, val = time.perf_counter(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
     with log, run_folder.holding(out_dir), batches:  # held, and open, until summary.json is written
         with stops.Stops(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
             for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
                 bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
-                stream = batches.train.epoch(epoch, progress.batch)
-                speed.start(progress.batch)
+                stream = speed.start(batches.train.epoch(epoch, progress.batch), progress.batch)
                 while progress.batch < info.batches:
                     # accum_steps micro-batches a step, each loss weighted as in one batch k x N large
                     window = [*itertools.islice(stream, min(cfg.accum_steps, info.batches - progress.batch))]
@@ -173,7 +175,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
             amp_dtype, process)
         logs.log_evaluation(test, task, info.names, batches.test, progress.step, log, "test")
         summary = logs.run_summary(task, (val, test), progress, time.perf_counter() - started, {
-            "epochs": cfg.epochs, "examples_per_second": speed.steady(), "device": str(process.device),
+            "epochs": cfg.epochs, **speed.facts(), "device": str(process.device),
             "lr": lr, "world_size": process.world_size, "ranks_in_sync": in_sync, **info.sizes()})
         process.on_rank0(logs.write_summary, summary, cfg, task, val, info.names, log)
     return summary
@@ -223,6 +225,21 @@ def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, no
 
     return compile_model(model, evaluated, cfg.compile, process.device, notes=notes,
                          accum_steps=cfg.accum_steps, batch_size=cfg.batch_size // process.world_size)
+
+
+def metered(cfg: Config, model: torch.nn.Module, batches, task, info, amp_dtype, process):
+    """--throughput: logs.Speed that also gives TFLOP/s, MFU and the share of time waiting for batches
+    (machinery/throughput.py)."""
+    from machinery.throughput import measured
+
+    return measured(model, batches.train, task, cfg, info, amp_dtype, process.world_size)
+
+
+def profiled(optimizer: torch.optim.Optimizer, steps: int, out_dir: Path, process, *, steps_left: int):
+    """--profile: steps after a warm-up traced into the run folder (machinery/profile.py)."""
+    from machinery.profile import record_steps
+
+    record_steps(optimizer, steps, out_dir, device=process.device, steps_left=steps_left, rank=process.rank)
 
 
 def chosen_lr(cfg: Config, given: dict | None, task) -> tuple[float, str | None]:

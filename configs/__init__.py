@@ -71,6 +71,9 @@ class Config:
     amp: str = "auto"
     channels_last: bool = False
     compile: str = "off"
+    throughput: bool = False
+    peak_tflops: float = 0.0
+    profile: int = 0
     seed: int = 0
     seeds: int = 0
     log_to: str = "tensorboard,csv"
@@ -106,7 +109,7 @@ LIMITS = {"image_size": ">= 0", "num_classes": "> 0", "channels": "> 0", "synthe
           "pct_start": "in (0, 1)", "div_factor": "> 0", "final_div_factor": "> 0", "find_start_lr": "> 0",
           "find_end_lr": "> 0", "find_iters": ">= 10", "seed": "in [0, 2**32)", "seeds": ">= 0",
           "dist_timeout": "> 0", "log_every": "> 0", "save_every": ">= 0", "early_stop": ">= 0",
-          "min_delta": ">= 0", "top_k": "> 0"}
+          "min_delta": ">= 0", "top_k": "> 0", "peak_tflops": ">= 0", "profile": ">= 0"}
 # How each range is checked: never nan or inf. Seeds: epoch_plan's generator takes 64 bits.
 IN_RANGE = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
             ">= 10": lambda v: 10 <= v < math.inf, "in [0, 1]": lambda v: 0 <= v <= 1,
@@ -168,6 +171,8 @@ def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> 
             raise UserError(f"{name} must be a number {limits}, got {value}")
     if cfg.lr != "auto" and not 0 < cfg.lr < math.inf:
         raise UserError(f"lr must be a number > 0 (or auto), got {cfg.lr}")
+    if cfg.peak_tflops and not cfg.throughput:
+        raise UserError("--peak-tflops is the peak that --throughput's MFU divides by: add --throughput")
     if cfg.find_start_lr >= cfg.find_end_lr:
         raise UserError(f"find_start_lr ({cfg.find_start_lr}) must be below find_end_lr ({cfg.find_end_lr})")
     if cfg.schedule == "onecycle" and cfg.warmup_epochs:

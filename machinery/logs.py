@@ -223,8 +223,10 @@ class Speed:
     def __init__(self):
         self.rates, self.first, self.began = [], 0, 0.0
 
-    def start(self, batch: int) -> None:
+    def start(self, stream, batch: int):
+        """An epoch's batches (`stream`), from batch `batch`: timed from now on; what the loop draws from."""
         self.first, self.began = batch, time.perf_counter()
+        return stream
 
     def end(self, batches: int, batch_size: int, device, images: bool) -> str:
         """The epoch's figure as its line shows it; "" where it trained no batch (a resume at its end)."""
@@ -236,9 +238,9 @@ class Speed:
         self.rates.append(examples / max(time.perf_counter() - self.began, 1e-9))
         return f"  ({self.rates[-1]:,.0f} {'img' if images else 'examples'}/s)"
 
-    def steady(self) -> float | None:  # None: this part of the run trained no batch (a resume at its end)
+    def facts(self) -> dict:  # for summary.json; None: this part trained no batch (a resume at its end)
         steady = self.rates[1:] or self.rates
-        return sum(steady) / len(steady) if steady else None
+        return {"examples_per_second": sum(steady) / len(steady) if steady else None}
 
 
 def log_evaluation(result, task, names: list[str], batches, step: int, logs: Logs, split: str = "val"):

@@ -24,6 +24,10 @@ class Turns:
         """What train.py's loop steps: the keyword the model and loss hear, the optimizer, its schedule."""
         return iter([({"turn": name}, optimizer, scheduler) for name, optimizer, scheduler in self.turns])
 
+    def register_step_post_hook(self, hook):
+        """The last network's step ends a batch's turns: --profile counts batches by it."""
+        return self.turns[-1][1].register_step_post_hook(hook)
+
     def state_dict(self) -> dict:
         return {name: {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
                 for name, optimizer, scheduler in self.turns}

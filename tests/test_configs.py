@@ -5,7 +5,7 @@ import pytest
 import configs
 import lr_find
 import train
-from configs import Config, UserError, parse_config
+from configs import Config, UserError, parse_config, parse_given
 
 FRONT = {**train.CHOICES, "find_method": lr_find.METHODS}  # what train.py and lr_find.py pass down
 CHOICES = {f.name: configs.choices_of(f.name, FRONT) for f in dataclasses.fields(Config)
@@ -45,7 +45,8 @@ def other_value(name: str, default):
 
 def test_every_field_has_a_flag():
     """Each flag, set to a value other than the default, changes its own field and no other."""
-    needs = {"warmup_epochs": ["--schedule", "cosine"]}  # onecycle has no warmup_epochs
+    needs = {"warmup_epochs": ["--schedule", "cosine"],  # onecycle has no warmup_epochs
+             "peak_tflops": ["--throughput"]}  # the peak --throughput's MFU divides by
     for field in dataclasses.fields(Config):
         flag, default = "--" + field.name.replace("_", "-"), field.default
         if isinstance(default, bool):
@@ -58,7 +59,7 @@ def test_every_field_has_a_flag():
         expected = dataclasses.replace(Config(), **{field.name: value})
         if field.name in needs:
             argv += needs[field.name]
-            expected.schedule = "cosine"
+            expected = dataclasses.replace(expected, **parse_given(needs[field.name]))
         cfg = parse_config(argv)
         assert getattr(cfg, field.name) == value != default, field.name
         assert cfg == expected, field.name

@@ -73,8 +73,9 @@ def offline_trackers(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-augment"], ["--amp", "bf16"], ["--loader", "dataloader"],
-                                   ["--ema", "0.99"], ALL_LOGS],
-                         ids=["fp32", "no-augment", "bf16", "dataloader", "ema", "all-trackers"])
+                                   ["--ema", "0.99"], ALL_LOGS, ["--throughput"]],
+                         ids=["fp32", "no-augment", "bf16", "dataloader", "ema", "all-trackers",
+                              "throughput"])  # issue 55: its meter times the batches on the host only
 def test_no_host_reads_between_log_points(tmp_path, flags, monkeypatch):
     if flags == ALL_LOGS:
         offline_trackers(monkeypatch)

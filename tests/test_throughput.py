@@ -1,0 +1,107 @@
+"""--throughput and --profile (issue 55, items 4 and 5): the FLOPs of a step counted as by hand, the peak
+table's lookup by GPU name, MFU only where a peak is known, the data-wait share in summary.json, and the
+profile's trace written and bounded. CUDA's own case skips without a GPU. That --throughput reads nothing
+from the device between log points is counted with the other options, in tests/test_sync.py."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+import train
+from configs import UserError, parse_config
+from machinery import profile
+from machinery.throughput import PEAK_TFLOPS, Throughput, peak_tflops, train_flops
+
+TINY = ["--epochs", "1", "--width", "4", "--log-every", "1000"]  # digits: 10 steps of 128
+
+
+def test_a_steps_flops_are_the_count_by_hand_and_the_model_is_left_as_it_was():
+    """Two Linear layers, N examples: forward 2NIH + 2NHO; backward the second layer's two matmuls (its
+    input's and its weight's gradients) and the first's weight gradient only (the inputs need none)."""
+    n, i, h, o = 16, 12, 20, 5
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(i, h), torch.nn.BatchNorm1d(h), torch.nn.Dropout(0.5),
+                                torch.nn.ReLU(), torch.nn.Linear(h, o))
+    inputs, before = torch.randn(n, i), {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()  # dropout's draws: from a forked generator
+    flops, examples = train_flops(model, inputs, lambda outputs: outputs.square().sum())
+    assert (flops, examples) == (2 * n * i * h + 2 * n * h * o + 2 * n * i * h + 2 * 2 * n * h * o, n)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BatchNorm's statistics
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("name, row", [
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ("NVIDIA GeForce RTX 4090 D", None), ("NVIDIA GH200 480GB", None), ("NVIDIA L40", None),
+    ("Tesla V100-SXM2-16GB", None), ("NVIDIA A10G", None), ("NVIDIA GeForce RTX 3090", None)])
+def test_the_peak_is_the_tables_row_for_the_gpus_name_and_none_for_an_unknown_one(name, row):
+    for dtype in ("bf16", "fp16", "tf32", "fp32"):
+        assert peak_tflops(name, dtype) == (None if row is None else (PEAK_TFLOPS[row][dtype], row))
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.5  # dense: 1,979 with sparsity
+
+
+def test_mfu_is_achieved_over_the_peak_and_absent_without_one():
+    for peak in (100.0, None):
+        meter = Throughput(flops_per_example=1e12, peak=peak)
+        stream = meter.start(iter([1, 2]), 0)
+        assert list(stream) == [1, 2]
+        line = meter.end(batches=2, batch_size=4, device=torch.device("cpu"), images=True)
+        facts = meter.facts()
+        tflops = facts["tflops_per_device"]
+        assert tflops == pytest.approx(facts["examples_per_second"]) and 0 <= facts["data_wait_share"] <= 1
+        assert ("MFU" in line) == ("mfu" in facts) == (peak is not None)
+        assert peak is None or facts["mfu"] == pytest.approx(tflops / peak)
+
+
+def test_a_cpu_run_gives_tflops_and_the_data_wait_but_no_mfu(tmp_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train.train(parse_config([*TINY, "--throughput", "--out-dir", str(tmp_path)]))
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert 0 <= saved["data_wait_share"] <= 1 and saved["tflops_per_device"] > 0
+    assert "mfu" not in saved and "peak_tflops" not in saved and saved["tflops_per_device"] == summary[
+        "tflops_per_device"]
+    epoch = next(line for line in out.getvalue().splitlines() if line.startswith("epoch 1/1"))
+    assert "TFLOP/s" in epoch and "waiting for data" in epoch and "MFU" not in epoch
+    assert "no MFU: no peak known for this device" in out.getvalue()
+
+
+def test_peak_tflops_without_throughput_is_refused():
+    with pytest.raises(UserError, match="add --throughput"):
+        parse_config(["--peak-tflops", "100"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_run_gives_mfu_where_the_gpu_is_in_the_table(tmp_path):
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = train.train(parse_config([*TINY, "--device", "cuda", "--throughput", "--out-dir",
+                                            str(tmp_path)]))
+    known = peak_tflops(torch.cuda.get_device_name(), "bf16") is not None
+    assert ("mfu" in summary) == known and 0 <= summary["data_wait_share"] <= 1
+    assert not known or 0 < summary["mfu"] < 1
+
+
+def test_the_profile_is_written_bounded_and_its_top_operators_printed(tmp_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.train(parse_config([*TINY, "--profile", "2", "--out-dir", str(tmp_path)]))
+    trace = tmp_path / profile.TRACE
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("name") == "aten::convolution_backward" for event in events)
+    assert trace.stat().st_size < 1e6  # 2 steps of this model: about 0.3 MB each on CPU
+    table = out.getvalue().split("--profile: optimizer steps 6 to 7 traced")[1]
+    assert "Self CPU" in table and len([row for row in table.splitlines() if "aten::" in row]) >= 5
+
+
+@pytest.mark.parametrize("steps, left, words", [(21, 100, "at most 20"), (10, 14, "this run has 14 left")])
+def test_a_profile_too_long_is_refused_before_it_starts(steps, left, words):
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(UserError, match=words):
+        profile.record_steps(optimizer, steps, None, device=torch.device("cpu"), steps_left=left)
