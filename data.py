@@ -42,8 +42,7 @@ class Source:
 # ---------------------------------------------------------------- the datasets
 
 def digits(cfg: Config) -> Source:
-    """scikit-learn's 8x8 digits, bundled with it: works offline. A fixed 360-image test split; val is
-    --val-fraction of the other 1437."""
+    """scikit-learn's 8x8 digits, offline: a fixed 360-image test split, val --val-fraction of the rest."""
     rows = bundled_digits()
     images = torch.from_numpy(rows[:, :64] * (255 / 16)).round().to(torch.uint8).reshape(-1, 1, 8, 8)
     labels = torch.from_numpy(rows[:, 64]).long()

@@ -46,8 +46,7 @@ class Progress:
     run_id: str = field(default_factory=lambda: secrets.token_hex(6))  # summary.json names it: this run's
 
     def evaluated(self, score: float, task, cfg: Config) -> bool:
-        """An epoch ended with `score`, the task's main metric: on to the next one. Whether it is the best
-        so far (best.pt); --early-stop counts the evaluations without a gain over --min-delta."""
+        """An epoch ended with `score` (the main metric): whether it is the best yet; --early-stop counts."""
         gain = math.inf if self.best is None else (score - self.best if task.HIGHER_IS_BETTER
                                                    else self.best - score)
         self.epoch += 1
@@ -183,10 +182,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
 def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (0, 1), fresh: bool = True,
           trains: bool = True):
-    """The data of cfg.dataset, checked against the task, and the model built for it, checked against both
-    (two examples through it and the loss): what train() trains, lr_find.py sweeps and evaluate.py measures.
-    `shard`: this process's rank, of how many; `fresh`: the model starts from --pretrained or --init-from
-    weights, where a resume or evaluation loads its own; `trains`: not evaluate.py's. --seed first."""
+    """cfg.dataset's data and the model built for it, each checked against the task (two examples through
+    both): what train() trains, lr_find.py sweeps and evaluate.py measures. `fresh`: not resumed."""
     checkpoints.seed_rngs(cfg.seed)
     source = DATASETS[cfg.dataset](cfg)
     batches, info = build_loaders(cfg, source, device, targets=task.TARGETS, shard=shard,
@@ -202,8 +199,7 @@ def setup(cfg: Config, task, device: torch.device, *, shard: tuple[int, int] = (
 
 def build_loaders(cfg: Config, source, device: torch.device, *, targets: str, needs, shard=(0, 1),
                   follow=None, moves=None) -> tuple:
-    """The data path, chosen once: one tensor a split on the device (machinery/batches.py), or any other data
-    (machinery/served.py: several inputs, host memory, workers, targets a task's hook moves)."""
+    """The data path, chosen once: tensors on the device (batches.py), or any other data (served.py)."""
     if plain(cfg, source, device, follow):
         return build_plain(cfg, source, device, targets=targets, needs=needs, shard=shard, moves=moves)
     from machinery.served import build_served
@@ -274,8 +270,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, batches_per_ep
 
 def optimizers(model: torch.nn.Module, cfg: Config, lr: float, batches_per_epoch: int,
                world_size: int) -> tuple:
-    """The optimizer, its schedule, what each step steps and how many steps: one optimizer for the model, or
-    for a model that trains networks in turn (a GAN) each network's, saved together as the "optimizer"."""
+    """The optimizer, its schedule, what a step steps (it, or each network's: in_turn) and the steps."""
     if hasattr(model, "turns"):
         return in_turn(model, cfg, lr, batches_per_epoch, world_size)
     optimizer = build_optimizer(model, cfg, lr)
@@ -310,9 +305,8 @@ def warm_options(cfg: Config, steps, total: int) -> dict:
 
 
 def step_weight(counts: list, process, weights: dict) -> torch.Tensor:
-    """What an optimizer step's summed losses are weighted by: one over their normalizers' sum over every
-    process, times the processes (DDP averages the gradients over them). A count that depends on the
-    targets (a tensor) is summed on the device, never read; a number's weight is made once, in `weights`."""
+    """1 / the step's normalizers summed over every process, x the processes (DDP averages gradients): a
+    tensor count is summed on the device, never read; a number's weight is made once, in `weights`."""
     total = sum(counts)
     if isinstance(total, torch.Tensor):
         counted = process.sum(total.float()).clamp_min(1e-30)  # none counted: zero gradients
@@ -324,9 +318,8 @@ def step_weight(counts: list, process, weights: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype, across=processes.ALONE):
-    """One pass over a split's batches through the task's tally, kept on their device and read once at the
-    end: under torchrun each process tallies its shard, and `across` (the process) sums, or gathers what a
-    metric needs whole, over them."""
+    """One pass over a split through the task's Tally, kept on the device and read once at the end; under
+    torchrun each process tallies its shard, and `across` (the process) combines them."""
     training = model.training
     model.eval()
     tally = task.Tally(cfg, info, batches.device)
@@ -339,8 +332,7 @@ def evaluate(model: torch.nn.Module, batches, task, cfg: Config, info, amp_dtype
 
 
 def load_best(evaluated: torch.nn.Module, evaluation: torch.nn.Module, path: Path, process):
-    """best.pt's weights (its --ema average where it has one) into the evaluated model, in place, read by rank
-    0 and shared with every rank; what evaluation calls."""
+    """best.pt's weights (its --ema average, if any) into `evaluated`, read by rank 0, shared with all."""
     if process.rank == 0:
         evaluated.load_state_dict(checkpoints.weights_of(checkpoints.load_checkpoint(path)))
     process.share(evaluated.state_dict().values())

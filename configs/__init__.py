@@ -140,9 +140,8 @@ def parse_given(argv: list[str] | None = None, description: str = "", choices: d
                 offered: Collection[str] | None = None,
                 elsewhere: str | Callable[[str], str] = "another script takes it (train.py or evaluate.py); "
                 "--help lists this one's options") -> dict:
-    """The settings the flags and the --config file give, each of its field's type, not yet checked (a
-    resume fills in the rest). `offered`: this script's fields (None: all); another's flag is one line,
-    ending with `elsewhere` (whose it is) or given by it (a function); other TOML keys: skipped."""
+    """The settings the flags and --config give, typed, not yet checked. `offered`: this script's fields
+    (None: all); another's flag is one line, ending with `elsewhere`; other TOML keys are skipped."""
     offered = DEFAULTS if offered is None else offered
     args, unknown = _Parser(description, choices, offered).parse_known_args(argv)
     if unknown:
@@ -160,8 +159,7 @@ def parse_config(argv: list[str] | None = None, description: str = "", choices: 
 
 
 def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> Config:
-    """Check each field against its allowed values (`choices`: the names the front's lists give a field,
-    such as {"dataset": DATASETS}) or range, then the rules between fields."""
+    """Each field in its allowed values (`choices`: the front's lists, {"dataset": DATASETS}) or range."""
     for name, value in vars(cfg).items():
         allowed, limits = choices_of(name, choices), LIMITS.get(name)
         if allowed and value not in allowed:
@@ -187,8 +185,7 @@ def validate(cfg: Config, choices: dict[str, Collection[str]] | None = None) -> 
 
 
 def choices_of(name: str, choices: dict | None = None) -> tuple[str, ...] | None:
-    """A field's allowed values: its own (ALLOWED), then the names `choices` (the front's lists) gives it;
-    None (any) for a field the front names where it passed no list for it."""
+    """A field's allowed values: ALLOWED's, then the front's list in `choices`; None: any."""
     listed = (choices or {}).get(name)
     if listed is None:
         return None if name in FRONT_LISTS else ALLOWED.get(name)

@@ -217,8 +217,7 @@ class Splits:
 
 
 def plain(cfg: Config, source, device: torch.device, follow) -> bool:
-    """Whether DeviceBatches serves this data (train.build_loaders chooses): each split one input tensor and
-    one target tensor, held on the device, their targets moved by no task's hook."""
+    """Whether DeviceBatches serves this data: one input and one target tensor a split, kept on the device."""
     pairs = [pair for pair in (source.train, source.val, source.test) if pair is not None]
     return follow is None and all(isinstance(pair, tuple) and len(pair) == 2 and all(
         isinstance(t, torch.Tensor) for t in pair) for pair in pairs) and on_device(cfg.loader, pairs, device)
@@ -226,9 +225,8 @@ def plain(cfg: Config, source, device: torch.device, follow) -> bool:
 
 def build_plain(cfg: Config, source, device: torch.device, *, targets: str, needs,
                 shard: tuple[int, int] = (0, 1), moves: bool | None = None) -> tuple[Splits, DataInfo]:
-    """Train, val and test batches of `source` (data.Source, plain()) for this process (`shard`: rank, of how
-    many), their targets checked as the task takes them (`targets`: task.TARGETS, `moves`: its
-    TARGETS_MOVE_WITH_IMAGES), images fitted to what the model `needs`."""
+    """This process's (`shard`) train, val and test batches of `source`, their targets checked as the task
+    takes them (`targets`: task.TARGETS), images fitted to what the model `needs`."""
     splits = contract.checked_sizes(cfg, source, shard[1])
     example = splits["train"][0][0]
     image = example.dtype == torch.uint8 and example.ndim == 3
@@ -271,9 +269,8 @@ def on_device(loader: str, pairs: list, device: torch.device) -> bool:
 
 
 def image_steps(cfg: Config, source, images: torch.Tensor, needs, notes: list[str], key=None) -> ImageSteps:
-    """The steps of a uint8 [N, C, H, W] image input (`images`: the training split's; `key`: which of several
-    inputs), normalized with the Source's stats or these images' own, fitted to what the model `needs`;
-    what changed is said in `notes`."""
+    """The steps of the training split's uint8 [N, C, H, W] `images` (`key`: which of several inputs):
+    normalized by the Source's stats or their own, fitted to what the model `needs`, said in `notes`."""
     channels, stats = images.shape[1], source.stats
     if stats is None:  # the training images' own statistics
         x = images.float().div_(255).transpose(0, 1).reshape(channels, -1)

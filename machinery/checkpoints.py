@@ -69,8 +69,7 @@ def all_finite(tensors) -> bool:
 
 
 def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> None:
-    """Refused at start-up: a disk that cannot hold a save at its peak, last.pt, best.pt and the temporary
-    file of the one written (each the weights, the optimizer's copies of them, an --ema average)."""
+    """Refused at start-up: a disk without room for last.pt, best.pt and the one being written."""
     copies = 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum", 0)))
     size = sum(t.nbytes for t in model.state_dict().values()) * (1 + copies + (ema is not None))
     kept = sum(file.stat().st_size for file in (out_dir / "last.pt", out_dir / "best.pt") if file.is_file())

@@ -58,9 +58,8 @@ def checked_sizes(cfg: Config, source, world_size: int) -> dict:
 
 def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | None,
                  collate: Callable | None, moves: bool | None = None) -> tuple[Targets, str]:
-    """Each split's targets read as the task takes them and checked (`splits`: name to an (inputs, targets)
-    pair, converted in place, or a Dataset whose first example `collate` batches alone; `image_size`: the
-    images' (H, W), or None; `moves`: task.TARGETS_MOVE_WITH_IMAGES); what was found, and its line."""
+    """Each split's targets (an (inputs, targets) pair, converted in place, or a Dataset's first example)
+    read as the task takes them and checked; what was found, and its line. `image_size`: (H, W) or None."""
     if kind not in KINDS:
         raise UserError(f"task.TARGETS is {kind!r}; it says what the loss takes: one of {', '.join(KINDS)}")
     checked = []
@@ -90,8 +89,7 @@ def check_splits(splits: dict, names: list[str], kind: str, image_size: tuple | 
 
 
 def check_model(model: nn.Module, batches, task, cfg: Config, info) -> str:
-    """The split's first two examples through the model (eval mode, no gradients: nothing in it changes),
-    then through the task's loss; what was seen."""
+    """The split's first two examples through the model (eval mode, no gradients), then the loss; the line."""
     inputs, targets = batches.first(2)
     given, training = _described(inputs), model.training
     model.eval()
@@ -130,8 +128,7 @@ def as_taken(targets: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def image_steps_note(image, targets: Targets, cfg: Config, which: str = "") -> str:
-    """Which image steps training batches get and how the targets follow them, said at start-up; a crop or
-    flip that the targets cannot follow is refused."""
+    """The image steps training batches get, and how the targets follow; one the targets cannot is refused."""
     if targets.dense:
         check_dense(image, targets, cfg)
     if (image.pad or image.flip) and not (targets.follow or targets.dense or targets.stays):

@@ -106,8 +106,7 @@ class Logs(contextlib.AbstractContextManager):
                     tracker.images(shown, step)
 
     def finish(self, hparams: dict, metrics: list[str], summary: dict) -> None:
-        """The HPARAMS tab's row (its metrics: the run's own curves, which add_hparams would write again),
-        the trackers' summary and files; then flush and close."""
+        """The HPARAMS row (of the run's own curves: add_hparams would write them again), the trackers'."""
         if not self.active:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
@@ -125,8 +124,7 @@ class Logs(contextlib.AbstractContextManager):
 
 
 def metrics_csv(path: Path, resumed_step: int | None):
-    """metrics.csv to append to (the writer's file): a new run's starts with its header; a resumed run's
-    keeps its rows up to the checkpoint's step."""
+    """metrics.csv to append to: a new run's header, or a resumed run's rows up to its checkpoint's step."""
     kept = [] if resumed_step is None else kept_rows(path, resumed_step)
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerows([METRICS_COLUMNS, *kept])
@@ -194,9 +192,7 @@ def quiet_tensorboard_thread() -> None:
 
 
 def announce(cfg: Config, task, info, moved: Path | None, trains: tuple) -> None:
-    """What this run's data is, with what was checked and changed (`moved`: where an earlier run's logs
-    went), and what trains (`trains`: the model, the process, AMP's dtype, the rate, the steps, a note on the
-    rate), said once."""
+    """What this run's data is, what was checked and changed, and what trains, said once at start-up."""
     test = "" if info.test_size is None else f" / {info.test_size} test"
     inputs = info.members or "x".join(map(str, info.input_shape))  # several: each one's shape and dtype
     say(f"{cfg.dataset}: {info.train_size} train / {info.val_size} val{test}, inputs {inputs}, "
@@ -244,8 +240,7 @@ class Speed:
 
 
 def log_evaluation(result, task, names: list[str], batches, step: int, logs: Logs, split: str = "val"):
-    """An evaluation's metrics and pictures, as `split`/<name>, at the step where its epoch ended; None
-    (no test split): nothing."""
+    """An evaluation's metrics and pictures as `split`/<name>, at its epoch's last step (None: no split)."""
     if result is None:
         return
     logs.write(*[(f"{split}/{name}", step, result.metrics[name]) for name in task.METRICS])
@@ -262,9 +257,8 @@ RESUMED_COVER = ("this run was resumed: total_seconds adds each earlier part's t
 
 
 def run_summary(task, evaluations: tuple, progress, seconds: float, facts: dict) -> dict:
-    """summary.json: the last val metrics, the best main metric and best.pt's test metrics (`evaluations`:
-    val, and test or None), how the run went (`progress`, train.Progress), this part's `seconds`, and
-    `facts` (epochs, examples_per_second, lr, world_size, device, ranks_in_sync, the splits' sizes)."""
+    """summary.json: the last val metrics, the best main metric, best.pt's test metrics (or none), how the
+    run went (`progress`), this part's `seconds`, and `facts` (epochs, speed, lr, device, sizes...)."""
     val, test = evaluations
     metrics = {f"val_{name}": val.metrics[name] for name in task.METRICS}
     metrics |= {f"test_{name}": test.metrics[name] for name in task.METRICS} if test else {}
@@ -277,8 +271,7 @@ def run_summary(task, evaluations: tuple, progress, seconds: float, facts: dict)
 
 
 def write_summary(summary: dict, cfg: Config, task, val, names: list[str], logs: Logs) -> None:
-    """A run's last words, on rank 0: TensorBoard's HPARAMS row, the task's saved pictures (confusion.png),
-    summary.json, and one line."""
+    """A run's last words: the HPARAMS row, the task's saved pictures, summary.json, and one line."""
     out_dir, main = Path(cfg.out_dir), task.MAIN_METRIC
     pictures = task.pictures(val, names, None)
     hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)}
@@ -312,9 +305,8 @@ def write_png_atomic(path: str | Path, picture) -> None:
 
 
 def image_grid(pixels: torch.Tensor, captions: list[str], columns: int = 8):
-    """Images (N, C, H, W, values in [0, 1]) side by side, each with its caption underneath. Small images
-    are enlarged (nearest neighbour, so pixels stay sharp) and large ones shrunk, to tiles of 64-160 px;
-    one channel is shown as gray, other channel counts by their first."""
+    """Images (N, C, H, W in [0, 1]) side by side, captioned, in tiles of 64-160 px (small ones enlarged by
+    nearest neighbour: pixels stay sharp); one channel is gray, other counts are shown by their first."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
