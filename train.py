@@ -7,6 +7,7 @@ at setup: what is off is never entered. Several GPUs: `torchrun --nproc_per_node
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import secrets
@@ -74,12 +75,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     optimizer = build_optimizer(model, cfg, lr)
     scheduler, total_steps = make_scheduler(cfg, optimizer, info.batches)
     ema = averaged(model, cfg.ema) if cfg.ema else None  # evaluation and best.pt use it; never trained
-    process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema, cfg.keep_best)
-    kept = keeping_best(out_dir, cfg.keep_best, task, process, resumed) if cfg.keep_best else None
+    process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema)
+    saves = keeping_best(cfg.keep_best, task, resumed) if cfg.keep_best else stops.Stops  # --keep-best's
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
-    states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-              "kept": kept}  # --keep-best: the ranking, carried in each checkpoint
+    states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     progress = Progress() if resumed is None else resumed.restore(info, cfg.epochs, Progress, **states)
     evaluated = ema.average if ema else model  # what evaluation measures and best.pt keeps
     training, evaluation, free_gradients = compiled(model, evaluated, cfg, info.notes, process) if (
@@ -104,7 +104,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     started, speed, weights, val = time.perf_counter(), logs.Speed(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
     with log, run_folder.holding(out_dir), batches:  # held, and open, until summary.json is written
-        with stops.Stops(out_dir, progress, checkpoint, log, process, kept) as stop:  # no epochs: a run's end
+        with saves(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
             for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
                 bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
                 stream = batches.train.epoch(epoch, progress.batch)
@@ -219,11 +219,11 @@ def averaged(model: torch.nn.Module, decay: float):
     return Ema(model, decay)
 
 
-def keeping_best(out_dir: Path, keep: int, task, process, resumed):
-    """--keep-best K: the K best evaluations' checkpoints, ranked (machinery/kept_best.py)."""
-    from machinery.kept_best import KeptBest
+def keeping_best(keep: int, task, resumed):
+    """--keep-best K: Stops whose epoch-end saves keep the K best checkpoints too (machinery/kept_best.py)."""
+    from machinery.kept_best import KeepingBest
 
-    return KeptBest(out_dir, keep, task, process, resumed)
+    return functools.partial(KeepingBest, keep=keep, task=task, resumed=resumed)
 
 
 def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, notes: list, process) -> tuple:

@@ -91,8 +91,7 @@ class Config:
     top_k: int = 5
     tta: str = "none"
     export: str = ""
-    average: bool = False
-    save_average: str = ""
+    average: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,9 +119,9 @@ ALLOWED = {"loader": ("auto", "device", "host", "dataloader"), "find_method": ("
            "tta": ("none", "flip")}
 FRONT_LISTS = ("dataset", "optimizer", "schedule", "find_method")  # fields the front's lists name
 OR_AUTO = {"lr": float, "num_workers": int}  # numbers that also take "auto"
-ALONE = {"resume": "last", "compile": "default"}  # given alone: plain --resume, torch.compile's default mode
+ALONE = {"resume": "last", "compile": "default", "average": "measure"}  # given alone: no value to give
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export", "average", "save_average")
+MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export", "average")
 TRAIN_SETTINGS = tuple(name for name in DEFAULTS if name not in MODE_SETTINGS)  # train.py's flags
 
 
@@ -388,7 +387,6 @@ def evaluate_takes(name: str) -> str:
     """train.py's line for one of evaluate.py's flags (MODE_SETTINGS): the evaluate.py command to run."""
     shown = {"checkpoint": "", "split": " --split test", "predict": " --predict PATH",
              "top_k": " --predict PATH --top-k 3", "tta": " --predict PATH --tta flip",
-             "export": " --export model.onnx", "average": " --average",
-             "save_average": " --average --save-average average.pt"}[name]
+             "export": " --export model.onnx", "average": " --average"}[name]
     flag = "--" + name.replace("_", "-")
     return f"{flag} is evaluate.py's: `python evaluate.py{shown} --checkpoint runs/x/best.pt`"

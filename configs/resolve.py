@@ -20,8 +20,8 @@ from configs import (
 MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
                         "find_end_lr", "find_iters", "find_method", "device", "compile", "out_dir",
                         "log_every", "save_every", "early_stop", "min_delta", "resume", "allow_more_epochs",
-                        "checkpoint", "split", "predict", "top_k", "tta", "export", "average",
-                        "save_average", "dist_timeout", "log_to", "log_model")
+                        "checkpoint", "split", "predict", "top_k", "tta", "export", "average", "dist_timeout",
+                        "log_to", "log_model")
 # What cannot move the best learning rate (paths, devices, the schedule's shape, how a run is watched):
 # --lr auto compares every other setting with the config its sweep measured.
 KEEPS_LR = (*(name for name in MAY_CHANGE_ON_RESUME if name != "init_from"), "synthetic_val_size", "lr",

@@ -68,20 +68,18 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema=None,
-                     keep: int = 0) -> None:
+def check_free_space(out_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> None:
     """Refused at start-up: a disk that cannot hold a save at its peak, last.pt, best.pt and the temporary
-    file of the one written (each the weights, the optimizer's copies of them, an --ema average); --keep-best
-    K: K + 1 more (the K kept, and the one that enters before the one it pushes out goes)."""
+    file of the one written (each the weights, the optimizer's copies of them, an --ema average)."""
     copies = 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum", 0)))
     size = sum(t.nbytes for t in model.state_dict().values()) * (1 + copies + (ema is not None))
-    there = [out_dir / "last.pt", out_dir / "best.pt", *(out_dir.glob("best-step*.pt") if keep else ())]
-    needed = (3 + keep + bool(keep)) * size - sum(file.stat().st_size for file in there if file.is_file())
-    free, kept = free_bytes(out_dir), f", {keep + 1} for --keep-best {keep}" if keep else ""
+    kept = sum(file.stat().st_size for file in (out_dir / "last.pt", out_dir / "best.pt") if file.is_file())
+    needed = 3 * size - kept  # what is there already is replaced
+    free = free_bytes(out_dir)
     if free is not None and free < needed:
         raise UserError(f"{out_dir} has {shown_size(free)} free but a checkpoint needs about "
-                        f"{shown_size(size)} and a save up to {shown_size(needed)} (last.pt, best.pt{kept} "
-                        "and the one being written); free some space or pick another --out-dir")
+                        f"{shown_size(size)} and a save up to {shown_size(needed)} (last.pt, best.pt and the "
+                        "one being written); free some space or pick another --out-dir")
 
 
 def _tensor_bytes(value) -> int:

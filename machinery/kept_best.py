@@ -1,13 +1,13 @@
 """--keep-best K: the checkpoints of the K best evaluations (best-step<N>.pt), ranked by the task's main
 metric on val in best-k.json and in every checkpoint, kept through resumes and kills. train.py chooses it
-once at setup; a default run never imports this module.
+once at setup (KeepingBest in place of Stops); a default run never imports this module.
 
-One epoch end's save, written by rank 0 alone in this order: the evaluation's own file (where it ranks),
-last.pt carrying the new ranking, best.pt, the manifest, then the files that left the ranking. A kill before
-last.pt leaves the old last.pt: the resume evaluates again and writes the same file. A kill after it: the
-resume deletes what last.pt says had left, and writes the manifest again. Either way the run ends with the
-files and ranking an uninterrupted run ends with. A resume never deletes the file it resumed from, nor a file
-this run did not write.
+One epoch end's save, by rank 0 alone, in this order: last.pt carrying the new ranking, best.pt, a copy of
+last.pt as the evaluation's own file (where it ranks), the manifest, then the files that left the ranking.
+A kill before last.pt: the resume evaluates again and saves the same. After it: the resume copies its
+last.pt to the ranked file it lacks, deletes what last.pt says had left, and writes the manifest again.
+Either way the run ends with the files and ranking of an uninterrupted run. A resume never deletes the
+file it resumed from, nor a file this run did not write.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 from configs import UserError
 from machinery.checkpoints import load_checkpoint
-from machinery.files import write_json_atomic
+from machinery.files import free_bytes, shown_size, write_atomic, write_json_atomic
 from machinery.processes import say
+from machinery.stops import SIGNALS, Stops
 
 MANIFEST = "best-k.json"
 PATTERN = "best-step*.pt"  # the kept files; best.pt is not one of them
@@ -37,45 +39,84 @@ def ranked(entries: list[dict], keep: int, higher_is_better: bool) -> list[dict]
     return sorted(finite, key=lambda e: (-e["score"] if higher_is_better else e["score"], e["step"]))[:keep]
 
 
+class KeepingBest(Stops):
+    """The loop's saves and stops (machinery/stops.py), whose epoch-end saves also keep the K best
+    evaluations' checkpoints; every checkpoint carries the ranking ("kept")."""
+
+    def __init__(self, out_dir: Path, progress, checkpoint, logs, process, *, keep: int, task, resumed):
+        super().__init__(out_dir, progress, lambda: {**checkpoint(), "kept": self.kept.state_dict()}, logs,
+                         process)
+        self.kept = KeptBest(out_dir, keep, task, resumed)
+
+    def __enter__(self) -> KeepingBest:
+        if self.process.rank == 0:  # before the signals are ours: nothing here needs a save
+            self.kept.start(self.checkpoint())
+        return super().__enter__()
+
+    def save(self, *, best: bool = False, val: dict | None = None) -> None:
+        """Stops.save; an evaluation's `val` metrics are ranked first, so that last.pt carries the ranking."""
+        entered = self.kept.evaluated(self.progress.step, val) if val else False
+        super().save(best=best)
+        if val and self.process.rank == 0:
+            with SIGNALS.in_mode("hold"):
+                self.kept.settle(self.progress.step, entered, self.progress.run_id)
+
+
 class KeptBest:
-    """The ranking a run keeps: carried in each checkpoint (state_dict) and restored on resume like the
-    optimizer's state. Every rank ranks; rank 0 alone (`process`) writes and deletes files."""
+    """The ranking, in the folder `out_dir`: every rank ranks, rank 0 alone writes and deletes."""
 
-    def __init__(self, out_dir: Path, keep: int, task, process, resumed=None):
-        self.out_dir, self.keep, self.process = out_dir, keep, process
+    def __init__(self, out_dir: Path, keep: int, task, resumed=None):
+        self.out_dir, self.keep, self.resumed = out_dir, keep, resumed
         self.metric, self.higher = task.MAIN_METRIC, task.HIGHER_IS_BETTER
-        self.ranking: list[dict] = []  # {"file", "step", "score"}, best first
-        self.left: list[str] = []  # the files the last evaluation pushed out: deleted once last.pt says so
-        self.last: dict | None = None  # the last evaluation {"step", "score"}: a kept file's own record
-        self.resumed_from = resumed.path.resolve() if resumed else None  # never deleted
-        if resumed is None:
-            process.on_rank0(refuse_others, out_dir)
+        saved = (resumed.state.get("kept") if resumed else None) or {}
+        self.ranking: list[dict] = list(saved.get("ranking", []))  # {"file", "step", "score"}, best first
+        self.left: list[str] = list(saved.get("left", []))  # pushed out by the last evaluation
+        self.last: dict | None = saved.get("last")  # the last evaluation {"step", "score"}: its file's record
 
-    def evaluated(self, step: int, metrics: dict) -> tuple[str, ...]:
-        """An evaluation at `step`: ranked before the save builds its state (so last.pt carries the ranking);
-        the files to write with it: its own where it ranks, else none."""
+    def start(self, state: dict) -> None:
+        """Rank 0, before the first save: a new run refuses another run's kept files and a disk without room
+        for K + 1 more checkpoints; a resume finishes what its last.pt's save left undone."""
+        if self.resumed is None:
+            refuse_others(self.out_dir)
+            check_space(self.out_dir, state, self.keep)
+            return
+        at = self.resumed.state["step"]
+        for entry in [e for e in self.ranking if not (self.out_dir / e["file"]).is_file()]:
+            if entry["step"] == at:  # killed between last.pt and its copy: last.pt is that checkpoint
+                copy(self.resumed.path, self.out_dir / entry["file"])
+            else:
+                say(f"--keep-best: {entry['file']} is no longer in {self.out_dir}: dropped from the ranking")
+                self.ranking.remove(entry)
+        self.remove_left()
+        write_json_atomic(self.out_dir / MANIFEST, self.manifest(at))
+
+    def evaluated(self, step: int, metrics: dict) -> bool:
+        """An evaluation at `step`, ranked before the save builds its state; whether it entered the K best."""
         score = float(metrics[self.metric])
         self.last = {"step": step, "score": score}
         entry = {"file": file_name(step), **self.last}
         before = [e for e in self.ranking if e["step"] != step]  # a replayed evaluation replaces its own
         self.ranking = ranked([*before, entry], self.keep, self.higher)
         self.left = [e["file"] for e in before if e not in self.ranking]
-        return (entry["file"],) if entry in self.ranking else ()
+        return entry in self.ranking
 
-    def settle(self, state: dict) -> None:
-        """Rank 0, after last.pt is written: the manifest, then the files that left the ranking; a file of
-        this step from an attempt a kill cut short goes too where this evaluation did not rank."""
-        write_json_atomic(self.out_dir / MANIFEST, self.manifest(state["step"]))
-        own = self.out_dir / file_name(state["step"])
-        if own.is_file() and all(e["step"] != state["step"] for e in self.ranking) and written_by(
-                own, state["run"]["run_id"]):
+    def settle(self, step: int, entered: bool, run_id: str) -> None:
+        """Rank 0, after last.pt is written: its copy as the evaluation's own file where it `entered`, the
+        manifest, then the files that left the ranking; a file of this step from an attempt a kill cut short
+        goes too where this evaluation did not enter."""
+        own = self.out_dir / file_name(step)
+        if entered:
+            copy(self.out_dir / "last.pt", own)
+        elif own.is_file() and written_by(own, run_id):
             self.left.append(own.name)
+        write_json_atomic(self.out_dir / MANIFEST, self.manifest(step))
         self.remove_left()
 
     def remove_left(self) -> None:
+        """The files that left the ranking, but the one the run resumed from."""
         for name in self.left:
             path = self.out_dir / name
-            if self.resumed_from is not None and path.resolve() == self.resumed_from:
+            if self.resumed is not None and path.resolve() == self.resumed.path.resolve():
                 say(f"--keep-best: {path} left the {self.keep} best and stays: the run resumed from it")
                 continue
             with contextlib.suppress(OSError):
@@ -90,21 +131,11 @@ class KeptBest:
         return {"ranking": self.ranking, "left": self.left, "last": self.last, "metric": self.metric,
                 "higher_is_better": self.higher, "keep": self.keep}
 
-    def load_state_dict(self, state: dict) -> None:
-        """A resume: the ranking last.pt carries, less any file gone since; rank 0 deletes what had left and
-        writes the manifest again (a failed write is said: the next save writes it)."""
-        self.last, self.left = state["last"], list(state["left"])
-        gone = [e for e in state["ranking"] if not (self.out_dir / e["file"]).is_file()]
-        self.ranking = [e for e in state["ranking"] if e not in gone]
-        if self.process.rank != 0:
-            return
-        if gone:
-            say(f"--keep-best: {', '.join(e['file'] for e in gone)} no longer in {self.out_dir}: dropped")
-        self.remove_left()
-        try:
-            write_json_atomic(self.out_dir / MANIFEST, self.manifest(self.last["step"] if self.last else 0))
-        except UserError as err:
-            say(f"--keep-best: {err}; the next save writes {MANIFEST}")
+
+def copy(source: Path, target: Path) -> None:
+    """`source`'s bytes into `target`, written whole or not at all."""
+    with open(source, "rb") as read:
+        write_atomic(target, lambda file: shutil.copyfileobj(read, file), lambda: source.stat().st_size)
 
 
 def refuse_others(out_dir: Path) -> None:
@@ -112,6 +143,22 @@ def refuse_others(out_dir: Path) -> None:
     if found := sorted(path.name for path in out_dir.glob(PATTERN)):
         raise UserError(f"{out_dir} holds kept checkpoints of another run ({', '.join(found[:3])}): a new "
                         "--keep-best run would overwrite them; move them away or pick another --out-dir")
+
+
+def check_space(out_dir: Path, state: dict, keep: int) -> None:
+    """K + 1 checkpoints beside last.pt and best.pt (checkpoints.check_free_space counted those): the K kept
+    and the one that enters before the one it pushes out goes. The optimizer's copies of the weights are
+    counted as there, as check_free_space counts them, since SGD makes its momentum at the first step."""
+    weights = sum(t.nbytes for t in state["model"].values())
+    group = state["optimizer"]["param_groups"][0]
+    copies = 2 if "betas" in group else int(bool(group.get("momentum", 0)))
+    size = weights * (1 + copies + (state.get("ema") is not None))
+    needed, free = (keep + 1) * size, free_bytes(out_dir)
+    if free is not None and free < needed:
+        raise UserError(f"{out_dir} has {shown_size(free)} free and --keep-best {keep} needs "
+                        f"{shown_size(needed)} more: {keep + 1} checkpoints of about {shown_size(size)} (the "
+                        f"{keep} kept, and one entering); free some space, lower --keep-best or pick another "
+                        "--out-dir")
 
 
 def written_by(path: Path, run_id: str) -> bool:

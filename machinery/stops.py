@@ -124,27 +124,23 @@ class Stops(contextlib.AbstractContextManager):
     """The loop's saves and stops: `progress` where the run stands (train.Progress), `checkpoint()` what a
     save writes, `logs` flushed first, `process` where it runs. In the block a signal only sets a flag."""
 
-    def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], logs, process, kept=None):
+    def __init__(self, out_dir: Path, progress, checkpoint: Callable[[], dict], logs, process):
         self.out_dir, self.progress, self.checkpoint = out_dir, progress, checkpoint
-        self.logs, self.process, self.kept = logs, process, kept  # kept: --keep-best's ranking, or None
+        self.logs, self.process = logs, process
         self.saved = dataclasses.asdict(progress) if progress.part > 1 else None  # where last.pt stands
         self.step_begun = None  # the step whose forwards have begun (mid_step)
         self.signals = contextlib.ExitStack()
 
     def save(self, *, best: bool = False, val: dict | None = None) -> None:
-        """last.pt (and best.pt), by rank 0; never of nan or inf weights; the logs first. --keep-best: an
-        evaluation's `val` metrics ranked first, so last.pt carries the ranking; its own file goes first."""
-        kept = self.kept.evaluated(self.progress.step, val) if self.kept and val else ()
+        """last.pt (and best.pt), by rank 0; never of nan or inf weights; logs first. `val`: --keep-best's."""
         state = self.checkpoint()
         if not all_finite(state["model"].values()):
             raise self.diverged("the weights hold nan or inf")
         self.logs.flush()
         if self.process.rank == 0:  # the other ranks hold the same states
             with SIGNALS.in_mode("hold"):
-                for name in (*kept, "last.pt", "best.pt")[:len(kept) + 1 + best]:
+                for name in ("last.pt", "best.pt")[:1 + best]:
                     write_checkpoint(state, self.out_dir / name)
-                if self.kept and val:
-                    self.kept.settle(state)  # the manifest, then the files that left the ranking
         self.saved = state["run"]
 
     def begin_step(self) -> None:  # from the first forward until the optimizer step: half a step
