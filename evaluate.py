@@ -68,8 +68,7 @@ def average(cfg: Config, given: dict, task=default_task) -> None:
     if not ours:
         raise UserError(f"--average: {path} is not a train.py checkpoint; give the best.pt of a --keep-best "
                         "run")
-    kept, note = read_ranking(path.parent)
-    check_one_run(kept, ckpt, path)
+    kept, note = read_ranking(path.parent, check=lambda found: check_one_run(found, ckpt, path))
     process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
     splits, info, model = setup(cfg, task, process.device, fresh=False, trains=False)
     amp_dtype = amp_setup(process.device, cfg.amp)[0]

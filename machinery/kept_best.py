@@ -172,14 +172,17 @@ def written_by(path: Path, run_id: str) -> bool:
 # ---------------------------------------------------------------- reading the kept files back (evaluate.py)
 
 
-def read_ranking(folder: Path) -> tuple[list[dict], str | None]:
-    """The kept files of `folder`, best first, each {"file", "step", "score", "state"} (its checkpoint); and a
-    note where best-k.json was missing or stale (a file it lists is gone or records another evaluation, or a
-    kept file is newer than it): then the ranking is rebuilt from each file's own recorded metric and step."""
+def read_ranking(folder: Path, check=None) -> tuple[list[dict], str | None]:
+    """The kept files of `folder`, best first, each {"file", "step", "score", "state"} (its checkpoint;
+    `check` sees every kept file first); and a note where best-k.json was missing or stale (a file it lists
+    is gone or records another evaluation, or a kept file is newer than it): then the ranking is rebuilt
+    from each file's own recorded metric and step."""
     states = {path.name: load_checkpoint(path) for path in sorted(folder.glob(PATTERN))}
     if not states:
         raise UserError(f"{folder} holds no kept checkpoints ({PATTERN}): train with --keep-best K first")
     own = {name: own_record(name, state) for name, state in states.items()}
+    if check is not None:  # every kept file, ranked or not: one run's (averaging.check_one_run)
+        check([{"file": name, "state": state} for name, state in states.items()])
     manifest = read_manifest(folder / MANIFEST)
     if manifest is not None and all(own.get(e.get("file")) == {k: e.get(k) for k in ("file", "step", "score")}
                                     for e in manifest["ranked"]) and all(
