@@ -7,7 +7,6 @@ at setup: what is off is never entered. Several GPUs: `torchrun --nproc_per_node
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import secrets
@@ -223,7 +222,7 @@ def keeping_best(keep: int, task, resumed):
     """--keep-best K: Stops whose epoch-end saves keep the K best checkpoints too (machinery/kept_best.py)."""
     from machinery.kept_best import KeepingBest
 
-    return functools.partial(KeepingBest, keep=keep, task=task, resumed=resumed)
+    return lambda *args: KeepingBest(*args, keep=keep, task=task, resumed=resumed)
 
 
 def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, notes: list, process) -> tuple:
