@@ -57,6 +57,40 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
         reports.report_evaluation(task, result, report, task.pictures(result, info.names, None), out_dir)
 
 
+def average(cfg: Config, given: dict, task=default_task) -> None:
+    """--average: the weights of the checkpoints --keep-best kept beside --checkpoint (a best.pt), averaged in
+    float64, their BatchNorm statistics recomputed on the training split, measured on val beside
+    --checkpoint's own figure; --average FILE also writes the averaged checkpoint there."""
+    from machinery.averaging import averaged_weights, check_one_run, recompute_batchnorm
+    from machinery.kept_best import read_ranking
+
+    cfg, ckpt, path, ours = opened(cfg, given, task)
+    if not ours:
+        raise UserError(f"--average: {path} is not a train.py checkpoint; give the best.pt of a --keep-best "
+                        "run")
+    kept, note = read_ranking(path.parent, check=lambda found: check_one_run(found, ckpt, path))
+    process = processes.start(cfg.device, cfg.dist_timeout, cfg.deterministic)
+    splits, info, model = setup(cfg, task, process.device, fresh=False, trains=False)
+    amp_dtype = amp_setup(process.device, cfg.amp)[0]
+    with splits:
+        checkpoints.check_classes(ckpt, path, info.names, "average it on the data it was trained on")
+        load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
+        best = evaluate(model, splits.val, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
+        load_weights(model, {"model": averaged_weights([e["state"] for e in kept])}, len(info.names),
+                     "the averaged weights", new_head=False)
+        recompute_batchnorm(model, splits.train)
+        result = evaluate(model, splits.val, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
+    steps = ", ".join(str(e["step"]) for e in kept)
+    print(*([note] if note else []), f"the average of the {len(kept)} kept checkpoints (steps {steps}): val "
+          f"{task.MAIN_METRIC} {result:.4g}, beside {path.name}'s {best:.4g}", sep="\n")
+    if cfg.average != "measure":  # --average FILE: the averaged model, as a checkpoint evaluate.py takes
+        drop = ("optimizer", "scheduler", "scaler", "rng", "run", "unlogged", "trackers", "kept", "ema")
+        keep = {k: v for k, v in ckpt.items() if k not in drop}
+        checkpoints.write_checkpoint({**keep, "model": model.state_dict(), "averaged": {
+            "files": [e["file"] for e in kept], "steps": [e["step"] for e in kept]}}, cfg.average)
+        print(f"wrote {cfg.average}")
+
+
 def opened(cfg: Config, given: dict, task) -> tuple[Config, dict, Path, bool]:
     """--checkpoint loaded (checked against task.py where it is train.py's), and the config its model and
     data are built with: its run's, or for a plain state_dict the flags'; its path, whether it is ours."""
@@ -239,7 +273,10 @@ def main() -> None:
         cfg = Config(**given)
         if cfg.predict and cfg.export:
             raise UserError("--predict and --export are two commands: give one of them")
-        (export if cfg.export else predict if cfg.predict else evaluate_checkpoint)(cfg, given)
+        if cfg.average and (cfg.predict or cfg.export):
+            raise UserError("--average is a command of its own: give it without --predict and --export")
+        (export if cfg.export else predict if cfg.predict else average if cfg.average else
+         evaluate_checkpoint)(cfg, given)
 
 
 if __name__ == "__main__":

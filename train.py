@@ -73,6 +73,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     optimizer, scheduler, turns, total_steps = optimizers(model, cfg, lr, info.batches, process.world_size)
     ema = averaged(model, cfg.ema) if cfg.ema else None  # evaluation and best.pt use it; never trained
     process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema)
+    saves = keeping_best(cfg.keep_best, task, resumed) if cfg.keep_best else stops.Stops  # --keep-best's
 
     # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
     states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
@@ -103,7 +104,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     started, weights, val = time.perf_counter(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
     with log, run_folder.holding(out_dir), batches:  # held, and open, until summary.json is written
-        with stops.Stops(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
+        with saves(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
             for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
                 bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
                 stream = speed.start(batches.train.epoch(epoch, progress.batch), progress.batch)
@@ -158,7 +159,7 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
                 logs.log_evaluation(val, task, info.names, batches.val, progress.step, log)
                 line = f"epoch {epoch + 1}/{cfg.epochs}  step {progress.step}  {task.describe(val)}{pace}"
                 stop.check_val_loss(val.metrics["loss"], line)  # not finite: the line, then the stop's
-                stop.save(best=progress.evaluated(val.metrics[task.MAIN_METRIC], task, cfg))  # best.pt too?
+                stop.save(best=progress.evaluated(val.metrics[task.MAIN_METRIC], task, cfg), val=val.metrics)
                 processes.say(line)  # after the saves: a closed stdout (`| head`) cannot cost the epoch
                 if progress.stopped:
                     processes.say(f"early stop after epoch {epoch + 1}/{cfg.epochs}: {progress.stopped}; "
@@ -213,6 +214,13 @@ def averaged(model: torch.nn.Module, decay: float):
     from machinery.precision import Ema
 
     return Ema(model, decay)
+
+
+def keeping_best(keep: int, task, resumed):
+    """--keep-best K: Stops whose epoch-end saves keep the K best checkpoints too (machinery/kept_best.py)."""
+    from machinery.kept_best import KeepingBest
+
+    return lambda *args: KeepingBest(*args, keep=keep, task=task, resumed=resumed)
 
 
 def compiled(model: torch.nn.Module, evaluated: torch.nn.Module, cfg: Config, notes: list, process) -> tuple:

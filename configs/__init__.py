@@ -85,6 +85,7 @@ class Config:
     save_every: int = 0
     early_stop: int = 0
     min_delta: float = 0.0
+    keep_best: int = 0
     resume: str = ""
     allow_more_epochs: bool = False
     # evaluate.py (how a saved model is run: never taken from its checkpoint's config)
@@ -94,6 +95,7 @@ class Config:
     top_k: int = 5
     tta: str = "none"
     export: str = ""
+    average: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +111,7 @@ LIMITS = {"image_size": ">= 0", "num_classes": "> 0", "channels": "> 0", "synthe
           "pct_start": "in (0, 1)", "div_factor": "> 0", "final_div_factor": "> 0", "find_start_lr": "> 0",
           "find_end_lr": "> 0", "find_iters": ">= 10", "seed": "in [0, 2**32)", "seeds": ">= 0",
           "dist_timeout": "> 0", "log_every": "> 0", "save_every": ">= 0", "early_stop": ">= 0",
-          "min_delta": ">= 0", "top_k": "> 0", "peak_tflops": ">= 0", "profile": ">= 0"}
+          "min_delta": ">= 0", "top_k": "> 0", "peak_tflops": ">= 0", "profile": ">= 0", "keep_best": ">= 0"}
 # How each range is checked: never nan or inf. Seeds: epoch_plan's generator takes 64 bits.
 IN_RANGE = {"> 0": lambda v: 0 < v < math.inf, ">= 0": lambda v: 0 <= v < math.inf,
             ">= 10": lambda v: 10 <= v < math.inf, "in [0, 1]": lambda v: 0 <= v <= 1,
@@ -121,9 +123,9 @@ ALLOWED = {"loader": ("auto", "device", "host", "dataloader"), "find_method": ("
            "tta": ("none", "flip")}
 FRONT_LISTS = ("dataset", "optimizer", "schedule", "find_method")  # fields the front's lists name
 OR_AUTO = {"lr": float, "num_workers": int}  # numbers that also take "auto"
-ALONE = {"resume": "last", "compile": "default"}  # given alone: plain --resume, torch.compile's default mode
+ALONE = {"resume": "last", "compile": "default", "average": "measure"}  # given alone: no value to give
 EXPECTS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export")  # evaluate.py's alone
+MODE_SETTINGS = ("checkpoint", "split", "predict", "top_k", "tta", "export", "average")
 TRAIN_SETTINGS = tuple(name for name in DEFAULTS if name not in MODE_SETTINGS)  # train.py's flags
 
 
@@ -388,6 +390,6 @@ def evaluate_takes(name: str) -> str:
     """train.py's line for one of evaluate.py's flags (MODE_SETTINGS): the evaluate.py command to run."""
     shown = {"checkpoint": "", "split": " --split test", "predict": " --predict PATH",
              "top_k": " --predict PATH --top-k 3", "tta": " --predict PATH --tta flip",
-             "export": " --export model.onnx"}[name]
+             "export": " --export model.onnx", "average": " --average"}[name]
     flag = "--" + name.replace("_", "-")
     return f"{flag} is evaluate.py's: `python evaluate.py{shown} --checkpoint runs/x/best.pt`"

@@ -20,13 +20,13 @@ from configs import (
 MAY_CHANGE_ON_RESUME = ("data_dir", "loader", "num_workers", "image_cache", "init_from", "find_start_lr",
                         "find_end_lr", "find_iters", "find_method", "device", "compile", "out_dir",
                         "log_every", "save_every", "early_stop", "min_delta", "resume", "allow_more_epochs",
-                        "checkpoint", "split", "predict", "top_k", "tta", "export", "dist_timeout", "log_to",
-                        "log_model", "seeds", "throughput", "peak_tflops", "profile")
+                        "checkpoint", "split", "predict", "top_k", "tta", "export", "average", "dist_timeout",
+                        "log_to", "log_model", "seeds", "throughput", "peak_tflops", "profile")
 # What cannot move the best learning rate (paths, devices, the schedule's shape, how a run is watched):
 # --lr auto compares every other setting with the config its sweep measured.
 KEEPS_LR = (*(name for name in MAY_CHANGE_ON_RESUME if name != "init_from"), "synthetic_val_size", "lr",
             "ema", "schedule", "epochs", "warmup_epochs", "step_size", "gamma", "min_lr_ratio", "pct_start",
-            "div_factor", "final_div_factor", "channels_last", "seed", "deterministic")
+            "div_factor", "final_div_factor", "channels_last", "seed", "deterministic", "keep_best")
 LENGTH_FREE_SCHEDULES = ("constant", "warmup", "step")  # curves that do not depend on the run's end
 # What evaluate.py takes from its command line; the model and data settings come from the checkpoint.
 # The mode's own settings (MODE_SETTINGS) are the command's, given or not, never the checkpoint's.

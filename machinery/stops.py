@@ -131,8 +131,8 @@ class Stops(contextlib.AbstractContextManager):
         self.step_begun = None  # the step whose forwards have begun (mid_step)
         self.signals = contextlib.ExitStack()
 
-    def save(self, *, best: bool = False) -> None:
-        """last.pt (and best.pt), by rank 0; never of nan or inf weights; the logs first."""
+    def save(self, *, best: bool = False, val: dict | None = None) -> None:
+        """last.pt (and best.pt), by rank 0; never of nan or inf weights; logs first. `val`: --keep-best's."""
         state = self.checkpoint()
         if not all_finite(state["model"].values()):
             raise self.diverged("the weights hold nan or inf")
