@@ -93,8 +93,7 @@ def input_needs(model: str, pretrained: bool) -> InputNeeds:
 
 def build_model(cfg: Config, channels: int, num_outputs: int, device: torch.device | str = "cpu", *,
                 fresh: bool = True, notes: list[str] | None = None) -> nn.Module:
-    """cfg.model on `device` (channels_last if asked). A `fresh` run starts from --pretrained or --init-from
-    weights (said in `notes`); a resumed or evaluated one gets every weight from its own checkpoint."""
+    """cfg.model on `device`; a `fresh` one (not resumed) from --pretrained or --init-from weights."""
     if cfg.model in MODELS:
         model = MODELS[cfg.model](channels, num_outputs, cfg.width, cfg.dropout)
     else:

@@ -109,8 +109,7 @@ def epoch_plan(n: int, seed: int, epoch: int, *, pad: int = 0, flip: bool = Fals
 
 def augment(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: int,
             fill: int = 0) -> torch.Tensor:
-    """Random crop after padding with `fill`, then flip, of [N, C, H, W] images (or [N, H, W] targets): one
-    gather of each pixel's index in its padded image; no device reads."""
+    """Crop after padding with `fill`, then flip, [N, C, H, W] images or [N, H, W] targets: one gather."""
     if images.ndim == 3:
         return augment(images[:, None], offsets, flips, pad, fill)[:, 0]
     n, c, h, w = images.shape

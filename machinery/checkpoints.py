@@ -54,8 +54,7 @@ def refused(path: Path, err: pickle.UnpicklingError) -> UserError:
 
 
 def weights_of(state: dict) -> dict:
-    """A checkpoint's state_dict (ours: the --ema average, else "model"; Lightning's; a plain one), without
-    the `module.` and `_orig_mod.` prefixes DDP and torch.compile add."""
+    """A checkpoint's weights (--ema's, "model", Lightning's, plain) without DDP's or compile's prefix."""
     weights = state.get("ema") or state.get("model", state.get("state_dict", state))
     if not isinstance(weights, dict):
         raise UserError("the checkpoint holds no state_dict (a dict of tensors)")

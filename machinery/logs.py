@@ -174,8 +174,7 @@ def run_start(events: list[Path], out_dir: Path) -> float:
 
 
 def quiet_tensorboard_thread() -> None:
-    """TensorBoard's writer thread keeps an OSError and raises it again at the next write or flush, in the
-    main thread, where it becomes one line: Python need not print the thread's traceback too."""
+    """The writer thread's OSError is raised again at the next write, as one line: no thread traceback too."""
     previous = threading.excepthook
     if getattr(previous, "quiet_tensorboard", False):
         return

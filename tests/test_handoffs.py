@@ -273,4 +273,4 @@ def test_lr_auto_compares_every_setting_unless_it_is_named_as_keeping_the_rate()
         "find_end_lr", "find_iters", "find_method", "device", "channels_last", "compile", "seed", "out_dir",
         "log_every", "save_every", "resume", "allow_more_epochs", "predict", "checkpoint", "top_k", "tta",
         "export", "early_stop", "min_delta", "ema", "split", "dist_timeout", "deterministic", "log_to",
-        "log_model", "throughput", "peak_tflops", "profile", "keep_best", "average"}
+        "log_model", "throughput", "peak_tflops", "profile", "keep_best", "average", "seeds"}
