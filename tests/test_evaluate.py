@@ -47,7 +47,8 @@ def test_evaluate_offers_what_evaluation_uses_and_refuses_the_rest_in_one_line(i
                                                                                  monkeypatch, capsys):
     code, out, _ = run_evaluate(monkeypatch, capsys, "--help")
     options = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
-    assert code == 0 and len(options) == 26 and "--checkpoint" in options and "--predict" in options, options
+    assert code == 0 and len(options) == 27, options
+    assert {"--checkpoint", "--predict", "--average"} <= set(options)
     assert not {"--lr", "--epochs", "--augment", "--resume", "--log-to"} & set(options)
     code, out, _ = run_main(monkeypatch, capsys, "--help")
     trains = {line.split()[0] for line in out.splitlines() if line.startswith("  --")}
