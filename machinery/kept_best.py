@@ -23,6 +23,7 @@ from machinery.checkpoints import load_checkpoint
 from machinery.files import free_bytes, shown_size, write_atomic, write_json_atomic
 from machinery.processes import say
 from machinery.stops import SIGNALS, Stops
+from machinery.turns import first_group
 
 MANIFEST = "best-k.json"
 PATTERN = "best-step*.pt"  # the kept files; best.pt is not one of them
@@ -150,7 +151,7 @@ def check_space(out_dir: Path, state: dict, keep: int) -> None:
     and the one that enters before the one it pushes out goes. The optimizer's copies of the weights are
     counted as there, as check_free_space counts them, since SGD makes its momentum at the first step."""
     weights = sum(t.nbytes for t in state["model"].values())
-    group = state["optimizer"]["param_groups"][0]
+    group = first_group(state["optimizer"])
     copies = 2 if "betas" in group else int(bool(group.get("momentum", 0)))
     size = weights * (1 + copies + (state.get("ema") is not None))
     needed, free = (keep + 1) * size, free_bytes(out_dir)

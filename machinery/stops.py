@@ -176,8 +176,10 @@ class Stops(contextlib.AbstractContextManager):
     def diverged(self, what: str) -> UserError:
         """Where, at what rate, what to try, what last.pt holds; a first loss that is not finite came before
         any step: the data or the model, not the rate."""
+        from machinery.turns import first_group
+
         state, start = self.checkpoint(), self.progress.start_loss
-        lr, at_lr = state["config"]["lr"], state["optimizer"]["param_groups"][0]["lr"]
+        lr, at_lr = state["config"]["lr"], first_group(state["optimizer"])["lr"]
         kept = (f"{self.out_dir / 'last.pt'} still holds step {self.saved['step']}" if self.saved
                 else "this run wrote no checkpoint")
         if start is not None and not math.isfinite(start):

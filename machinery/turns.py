@@ -41,6 +41,13 @@ class Turns:
             scheduler.load_state_dict(state[name]["scheduler"])
 
 
+def first_group(optimizer_state: dict) -> dict:
+    """A saved optimizer's first param group; networks in turn: the first network's (what a line shows)."""
+    if "param_groups" not in optimizer_state:
+        optimizer_state = next(iter(optimizer_state.values()))["optimizer"]
+    return optimizer_state["param_groups"][0]
+
+
 def networks(model: nn.Module, world_size: int) -> dict[str, nn.Module]:
     """model.turns(): each network by name, in the order they train; refused in one line unless every
     trainable parameter is in exactly one of them, or under torchrun (DDP would need find_unused_parameters:
