@@ -292,7 +292,7 @@ def in_turn(model: torch.nn.Module, cfg: Config, lr: float, batches_per_epoch: i
     from machinery.turns import Turns, networks
 
     turns = []
-    for turn, network in networks(model, world_size).items():
+    for turn, network in networks(model, cfg, world_size).items():
         optimizer = build_optimizer(network, cfg, lr)
         scheduler, total_steps = make_scheduler(cfg, optimizer, batches_per_epoch)
         turns.append((turn, optimizer, scheduler))
@@ -355,7 +355,7 @@ def main() -> None:
         if given.get("seeds"):  # --seeds N: a run a seed, then their spread (machinery/seeds.py)
             from machinery.seeds import repeat
 
-            return repeat(train, given, default_task)
+            return repeat(train, given, default_task, OPTIMIZERS)
         train(Config(**given), given)
 
 

@@ -15,6 +15,7 @@ from configs.resolve import MAY_CHANGE_ON_RESUME, differences
 from machinery import processes
 from machinery.files import write_json_atomic
 from machinery.intervals import spread
+from machinery.lr_auto import resolve_lr
 
 RECORD = "seeds.json"  # in <out-dir>: the repeat's statistics, which compare_seeds.py reads
 PER_RUN = ("seed", "seeds", "out_dir", "resume")  # the settings in which the runs of one repeat differ
@@ -24,13 +25,16 @@ SPLITS = ("train_size", "val_size", "test_size")
 SAME_EXAMPLES = ("dataset", "num_classes", "synthetic_size", "synthetic_val_size", "val_fraction")
 
 
-def repeat(train: Callable, given: dict, task) -> dict:
+def repeat(train: Callable, given: dict, task, optimizers: dict | None = None) -> dict:
     """The runs of the settings `given`, one a seed, each train(cfg, given) in its own folder (under torchrun
     every process runs each seed in turn: one distributed run a seed), then their statistics: written to
-    seeds.json and printed by rank 0, and returned (rank 0; the others return {})."""
+    seeds.json and printed by rank 0, and returned (rank 0; the others return {}). `optimizers`:
+    models.OPTIMIZERS, for --lr auto."""
     cfg = validate(Config(**given))  # the ranges (each run checks its own choices)
     out_dir, seeds = Path(cfg.out_dir), range(cfg.seed, cfg.seed + cfg.seeds)
     check_repeat(cfg, out_dir)
+    if cfg.lr == "auto":  # one sweep for every seed: <out-dir>/lr_find.json, read once, its rate in each run
+        given = {**given, "lr": resolve_lr(cfg, task, optimizers)}
     for seed in seeds:  # before any run: a kept seed of another config would be averaged with these
         check_kept(seed_folder(out_dir, seed), Config(**run_settings(given, out_dir, seed)))
     for number, seed in enumerate(seeds, 1):

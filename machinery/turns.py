@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from configs import UserError
+from configs import Config, UserError
 
 
 class Turns:
@@ -48,14 +48,19 @@ def first_group(optimizer_state: dict) -> dict:
     return optimizer_state["param_groups"][0]
 
 
-def networks(model: nn.Module, world_size: int) -> dict[str, nn.Module]:
+def networks(model: nn.Module, cfg: Config, world_size: int) -> dict[str, nn.Module]:
     """model.turns(): each network by name, in the order they train; refused in one line unless every
-    trainable parameter is in exactly one of them, or under torchrun (DDP would need find_unused_parameters:
-    a turn leaves the other network's parameters without gradients)."""
+    trainable parameter is in exactly one of them, and under torchrun (DDP would need find_unused_parameters:
+    a turn leaves the other network's parameters without gradients), --compile (its forward takes no turn)
+    and --throughput (it counts one forward and backward a step)."""
     name = type(model).__name__
     if world_size > 1:
         raise UserError(f"{name} trains networks in turn (its turns()), which runs in one process here: "
                         "train it without torchrun")
+    if cfg.compile != "off" or cfg.throughput:
+        flag = f"--compile {cfg.compile}" if cfg.compile != "off" else "--throughput"
+        raise UserError(f"{name} trains networks in turn (its turns()), which {flag} does not take: train it "
+                        f"without {flag}")
     turns = dict(model.turns())
     owners = {}
     for turn, network in turns.items():

@@ -200,3 +200,21 @@ def test_a_repeat_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     assert "epochs: 10 -> 3" in line and "seed:" not in line and "seeds:" not in line
     code, _, err = run_main(monkeypatch, capsys, *TINY, "--seeds", "-1")
     assert "seeds must be a number >= 0, got -1" in one_line(code, err)
+
+
+def test_lr_auto_reads_the_repeats_one_sweep_for_every_seed(tmp_path, capsys):
+    """`lr_find.py --out-dir R` then `train.py --seeds N --lr auto --out-dir R`: each seed trains at
+    R/lr_find.json's rate (a seed's own folder holds no sweep)."""
+    import lr_find
+    from configs import parse_given
+    from models import OPTIMIZERS
+
+    folder = tmp_path / "rep"
+    lr_find.main([*TINY, "--out-dir", str(folder)])
+    swept = json.loads((folder / "lr_find.json").read_text())["suggestions"]["peak"]["lr"]
+    ran = []
+    values = {s: {"val_acc": 0.5, "val_loss": 0.5, "steps": 4} for s in (0, 1)}
+    given = parse_given([*TINY, "--seeds", "2", "--lr", "auto", "--out-dir", str(folder)])
+    seeds.repeat(lambda cfg, settings: ran.append(settings["lr"]) or fake_train(values, [])(cfg, settings),
+                 given, task, OPTIMIZERS)
+    assert ran == [swept, swept]

@@ -74,19 +74,23 @@ def test_lr_find_refuses_networks_in_turn_in_one_line(tmp_path, gan_fork, monkey
 
 
 def test_turns_that_miss_or_share_parameters_or_run_under_torchrun_are_refused(gan_fork):
-    model = models.MODELS["gan"](1, 10)
-    assert list(networks(model, 1)) == ["discriminator", "generator"]
+    model, cfg = models.MODELS["gan"](1, 10), parse_config([])
+    assert list(networks(model, cfg, 1)) == ["discriminator", "generator"]
     with pytest.raises(UserError, match="runs in one process here: train it without torchrun"):
-        networks(model, 2)
+        networks(model, cfg, 2)
+    with pytest.raises(UserError, match="which --compile default does not take: train it without --compile"):
+        networks(model, parse_config(["--compile"]), 1)
+    with pytest.raises(UserError, match="which --throughput does not take"):
+        networks(model, parse_config(["--throughput"]), 1)
     model.turns = lambda: {"discriminator": model.discriminator}
     with pytest.raises(UserError, match=r"[\d,]+ trainable parameters are in none of them"):
-        networks(model, 1)
+        networks(model, cfg, 1)
     model.turns = lambda: {"d": model.discriminator, "both": model}
     with pytest.raises(UserError, match="d and both share parameters"):
-        networks(model, 1)
+        networks(model, cfg, 1)
     model.generator.requires_grad_(False)  # frozen: it need not take a turn
     model.turns = lambda: {"discriminator": model.discriminator}
-    assert list(networks(model, 1)) == ["discriminator"]
+    assert list(networks(model, cfg, 1)) == ["discriminator"]
 
 
 def test_the_docs_show_the_forks_model():
