@@ -59,11 +59,14 @@ def evaluate_checkpoint(cfg: Config, given: dict, task=default_task) -> None:
 
 def average(cfg: Config, given: dict, task=default_task) -> None:
     """--average: the weights of the checkpoints --keep-best kept beside --checkpoint (a best.pt), averaged in
-    float64, their BatchNorm statistics recomputed on the training split, measured on val beside
-    --checkpoint's own figure; --average FILE also writes the averaged checkpoint there."""
+    float64, their BatchNorm statistics recomputed on the training split, measured on --split (val, or
+    test) beside --checkpoint's own figure; --average FILE also writes the averaged checkpoint there. One
+    process: under torchrun every rank would measure the whole split, print and write FILE."""
     from machinery.averaging import averaged_weights, check_one_run, recompute_batchnorm
     from machinery.kept_best import read_ranking
 
+    if processes.world_size() > 1:
+        raise UserError("--average runs in one process: run evaluate.py without torchrun")
     cfg, ckpt, path, ours = opened(cfg, given, task)
     if not ours:
         raise UserError(f"--average: {path} is not a train.py checkpoint; give the best.pt of a --keep-best "
@@ -74,15 +77,16 @@ def average(cfg: Config, given: dict, task=default_task) -> None:
     amp_dtype = amp_setup(process.device, cfg.amp)[0]
     with splits:
         checkpoints.check_classes(ckpt, path, info.names, "average it on the data it was trained on")
+        batches = chosen_split(splits, cfg)
         load_weights(model, ckpt, len(info.names), f"--checkpoint {path}", new_head=False)
-        best = evaluate(model, splits.val, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
+        best = evaluate(model, batches, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
         load_weights(model, {"model": averaged_weights([e["state"] for e in kept])}, len(info.names),
                      "the averaged weights", new_head=False)
         recompute_batchnorm(model, splits.train)
-        result = evaluate(model, splits.val, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
+        result = evaluate(model, batches, task, cfg, info, amp_dtype, process).metrics[task.MAIN_METRIC]
     steps = ", ".join(str(e["step"]) for e in kept)
-    print(*([note] if note else []), f"the average of the {len(kept)} kept checkpoints (steps {steps}): val "
-          f"{task.MAIN_METRIC} {result:.4g}, beside {path.name}'s {best:.4g}", sep="\n")
+    print(*([note] if note else []), f"the average of the {len(kept)} kept checkpoints (steps {steps}): "
+          f"{cfg.split} {task.MAIN_METRIC} {result:.4g}, beside {path.name}'s {best:.4g}", sep="\n")
     if cfg.average != "measure":  # --average FILE: the averaged model, as a checkpoint evaluate.py takes
         drop = ("optimizer", "scheduler", "scaler", "rng", "run", "unlogged", "trackers", "kept", "ema")
         keep = {k: v for k, v in ckpt.items() if k not in drop}

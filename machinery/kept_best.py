@@ -6,8 +6,9 @@ One epoch end's save, by rank 0 alone, in this order: last.pt carrying the new r
 last.pt as the evaluation's own file (where it ranks), the manifest, then the files that left the ranking.
 A kill before last.pt: the resume evaluates again and saves the same. After it: the resume copies its
 last.pt to the ranked file it lacks, deletes what last.pt says had left, and writes the manifest again.
-Either way the run ends with the files and ranking of an uninterrupted run. A resume never deletes the
-file it resumed from, nor a file this run did not write.
+Either way the run ends with the files and ranking of an uninterrupted run; a resume into another folder
+copies the ranked files from its checkpoint's folder first. A resume never deletes the file it resumed
+from, nor a file this run did not write.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class KeepingBest(Stops):
         self.kept = KeptBest(out_dir, keep, task, resumed)
 
     def __enter__(self) -> KeepingBest:
-        if self.process.rank == 0:  # before the signals are ours: nothing here needs a save
-            self.kept.start(self.checkpoint())
+        """Rank 0 starts the ranking, before the signals are ours (nothing here needs a save); a refusal there
+        stops every rank, so none goes on into the first collective alone."""
+        self.process.on_rank0(lambda: self.kept.start(self.checkpoint()))
         return super().__enter__()
 
     def save(self, *, best: bool = False, val: dict | None = None) -> None:
@@ -76,17 +78,24 @@ class KeptBest:
 
     def start(self, state: dict) -> None:
         """Rank 0, before the first save: a new run refuses another run's kept files and a disk without room
-        for K + 1 more checkpoints; a resume finishes what its last.pt's save left undone."""
+        for K + 1 more checkpoints; a resume finishes what its last.pt's save left undone, and one into
+        another --out-dir brings the ranked files from its checkpoint's folder."""
         if self.resumed is None:
             refuse_others(self.out_dir)
             check_space(self.out_dir, state, self.keep)
             return
-        at = self.resumed.state["step"]
+        at, run_id = self.resumed.state["step"], self.resumed.state.get("run", {}).get("run_id")
+        there = self.resumed.path.parent
         for entry in [e for e in self.ranking if not (self.out_dir / e["file"]).is_file()]:
+            source = there / entry["file"]
             if entry["step"] == at:  # killed between last.pt and its copy: last.pt is that checkpoint
                 copy(self.resumed.path, self.out_dir / entry["file"])
+            elif source.is_file() and written_by(source, run_id):  # resumed into another folder
+                copy(source, self.out_dir / entry["file"])
             else:
-                say(f"--keep-best: {entry['file']} is no longer in {self.out_dir}: dropped from the ranking")
+                also = "" if there.resolve() == self.out_dir.resolve() else f" nor in {there}"
+                say(f"--keep-best: {entry['file']} is no longer in {self.out_dir}{also}: dropped from the "
+                    "ranking")
                 self.ranking.remove(entry)
         self.remove_left()
         write_json_atomic(self.out_dir / MANIFEST, self.manifest(at))

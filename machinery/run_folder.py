@@ -88,9 +88,13 @@ def check_overwrite(out_dir: Path, resumed) -> None:
 
 
 def _take_best(out_dir: Path, resumed) -> None:
-    """A run resumed into another folder: an empty one (another run's best.pt and summary would pass for
-    this one's), given the best.pt beside its checkpoint, which its test pass reads unless it betters it."""
-    if held := [name for name in ("last.pt", "best.pt", "summary.json") if (out_dir / name).exists()]:
+    """A run resumed into another folder: an empty one (another run's best.pt, summary or --keep-best files
+    would pass for this one's, and its kept files be deleted as this one's), given the best.pt beside its
+    checkpoint, which its test pass reads unless it betters it."""
+    named = ("last.pt", "best.pt", "summary.json", "best-k.json")
+    held = [name for name in named if (out_dir / name).exists()] + sorted(
+        path.name for path in out_dir.glob("best-step*.pt"))
+    if held:
         _refuse(out_dir, f"{out_dir} holds another run ({', '.join(held)}): resuming {resumed.path} there "
                 "would mix the two; resume it into an empty --out-dir, or into its own folder")
     best = resumed.path.parent / "best.pt"

@@ -178,3 +178,48 @@ def test_checkpoints_of_another_run_are_refused_in_one_line(whole, tmp_path, mon
     shutil.copy(other / kept(other)[0][0], out / "best-step99.pt")
     code, _, err = run_evaluate(monkeypatch, capsys, "--checkpoint", out / "best.pt", "--average")
     assert code == 2 and err.count("\n") == 1 and "is of another run" in err, err
+
+
+def test_the_start_goes_through_on_rank0_so_a_refusal_stops_every_rank(tmp_path):
+    """Under torchrun rank 0's refusal (another run's kept files here) stops rank 1 too, before any
+    collective: the start goes through process.on_rank0, which shares rank 0's failure."""
+    import task
+
+    class Rank1:
+        rank, works = 1, []
+
+        def on_rank0(self, work, *args):
+            self.works.append(work)
+            work(*args)  # rank 0's work, whose failure on_rank0 raises on every rank
+
+    (tmp_path / "best-step4.pt").write_bytes(b"another run's")
+    progress = type("Progress", (), {"step": 0, "run_id": "r", "part": 1})()
+    stops = kept_best.KeepingBest(tmp_path, progress, dict, None, Rank1(), keep=1, task=task, resumed=None)
+    with pytest.raises(UserError, match="holds kept checkpoints of another run"):
+        stops.__enter__()
+    assert Rank1.works
+
+
+def test_a_resume_into_another_folder_ends_as_an_uninterrupted_run(whole, tmp_path, monkeypatch):
+    """The ranked files come from the resumed checkpoint's folder; a folder with a stray kept file (another
+    run's) is refused, never adopted then deleted."""
+    first = tmp_path / "first"
+    with crash_at_step(monkeypatch, 14):
+        run(first, "--save-every", "2")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "best-step99.pt").write_bytes(b"another run's")
+    with pytest.raises(UserError, match=r"holds another run \(best-step99.pt\)"):
+        run(stray, "--resume", str(first / "last.pt"))
+    assert (stray / "best-step99.pt").read_bytes() == b"another run's"
+    run(tmp_path / "second", "--resume", str(first / "last.pt"))
+    assert kept(tmp_path / "second") == kept(whole)
+
+
+def test_average_refuses_torchrun_and_measures_the_split_asked_for(whole, monkeypatch, capsys):
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", whole / "best.pt", "--average",
+                                  "--split", "test")
+    assert code == 0 and "kept checkpoints (steps" in out and "): test acc" in out, err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, out, err = run_evaluate(monkeypatch, capsys, "--checkpoint", whole / "best.pt", "--average")
+    assert code == 2 and err.count("\n") == 1 and "--average runs in one process" in err, err
