@@ -33,6 +33,25 @@ def test_a_steps_flops_are_the_count_by_hand_and_the_model_is_left_as_it_was():
     assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
 
 
+class Doubled(torch.nn.Module):
+    """A GAN's shape: N examples in, 2N rows out (each example's and another's)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(i, o)
+
+    def forward(self, inputs):
+        return self.linear(torch.cat([inputs, inputs.flip(0)]))
+
+
+def test_the_flops_of_an_example_divide_by_the_inputs_rows_not_the_outputs():
+    """2N rows through one Linear: forward 2(2N)IO, backward its weight's gradient only, as much again;
+    per example 8IO, where dividing by the outputs' 2N rows gave half."""
+    n, i, o = 6, 7, 3
+    flops, examples = train_flops(Doubled(i, o), torch.randn(n, i), lambda outputs: outputs.square().sum())
+    assert examples == n and flops / examples == 8 * i * o
+
+
 @pytest.mark.parametrize("name, row", [
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"),
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
