@@ -7,6 +7,7 @@ at setup: what is off is never entered. Several GPUs: `torchrun --nproc_per_node
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import secrets
@@ -99,11 +100,10 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     speed = metered(cfg, model, batches, task, info, amp_dtype, process) if cfg.throughput else logs.Speed()
-    if cfg.profile:  # a torch.profiler trace of --profile steps after a warm-up, from the optimizer's hook
-        profiled(optimizer, cfg.profile, out_dir, process, steps_left=total_steps - progress.step)
+    traced = profiled(optimizer, cfg, given, resumed, out_dir, process, total_steps - progress.step)
     started, weights, val = time.perf_counter(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
-    with log, run_folder.holding(out_dir), batches:  # held, and open, until summary.json is written
+    with log, run_folder.holding(out_dir), batches, traced:  # held, and open, until summary.json is written
         with saves(out_dir, progress, checkpoint, log, process) as stop:  # no epochs: a run's end
             for epoch in range(progress.epoch, progress.epoch if progress.stopped else cfg.epochs):
                 bar = logs.progress_bar(info.batches, progress.batch, f"epoch {epoch + 1}/{cfg.epochs}")
@@ -239,11 +239,17 @@ def metered(cfg: Config, model: torch.nn.Module, batches, task, info, amp_dtype,
     return measured(model, batches.train, task, cfg, info, amp_dtype, process.world_size)
 
 
-def profiled(optimizer: torch.optim.Optimizer, steps: int, out_dir: Path, process, *, steps_left: int):
-    """--profile: steps after a warm-up traced into the run folder (machinery/profile.py)."""
+def profiled(optimizer: torch.optim.Optimizer, cfg: Config, given: dict | None, resumed, out_dir: Path,
+             process, steps_left: int):
+    """--profile: steps after a warm-up traced into the run folder (machinery/profile.py), in the context
+    returned. The checkpoint's config keeps --profile: a resume traces only where it is given again (`given`
+    None: all of cfg is), else it could not end with few steps left and would overwrite the first trace."""
+    if not cfg.profile or not (resumed is None or given is None or "profile" in given):
+        return contextlib.nullcontext()
     from machinery.profile import record_steps
 
-    record_steps(optimizer, steps, out_dir, device=process.device, steps_left=steps_left, rank=process.rank)
+    return record_steps(optimizer, cfg.profile, out_dir, device=process.device, steps_left=steps_left,
+                        rank=process.rank, restart=resumed is not None and cfg.resume == "auto")
 
 
 def chosen_lr(cfg: Config, given: dict | None, task) -> tuple[float, str | None]:

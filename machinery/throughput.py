@@ -14,6 +14,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from machinery.inputs import rows
 from machinery.logs import Speed
 from machinery.processes import autocast, say
 
@@ -60,8 +61,9 @@ def compute_dtype(amp_dtype: torch.dtype | None) -> str:
 def train_flops(model: torch.nn.Module, inputs, loss, precision=contextlib.nullcontext) -> tuple[int, int]:
     """The FLOPs of one training step on `inputs`, forward and backward (a multiply-add is 2), counted by
     torch's FlopCounterMode on a copy of the model (its BatchNorm statistics and gradients stay as they are,
-    and the random numbers too: dropout draws from a forked generator); and the examples in the batch.
-    `loss(outputs)` is the step's loss; `precision()` the forward's context (AMP's autocast)."""
+    and the random numbers too: dropout draws from a forked generator); and the examples in the batch: the
+    inputs' rows, not the outputs' (a GAN's hold 2N). `loss(outputs)` is the step's loss; `precision()` the
+    forward's context (AMP's autocast)."""
     copied = copy.deepcopy(model).train()
     device = next(model.parameters()).device
     devices = [] if device.type == "cpu" else [device.index or 0]
@@ -70,7 +72,7 @@ def train_flops(model: torch.nn.Module, inputs, loss, precision=contextlib.nullc
             outputs = copied(inputs)
             value = loss(outputs)
         value.backward()
-    return counter.get_total_flops(), outputs.shape[0]
+    return counter.get_total_flops(), rows(inputs)
 
 
 def measured(model: torch.nn.Module, batches, task, cfg, info, amp_dtype, world_size: int) -> Throughput:

@@ -9,9 +9,10 @@ import json
 
 import pytest
 import torch
+from conftest import crash_at_step
 
 import train
-from configs import UserError, parse_config
+from configs import Config, UserError, parse_config, parse_given
 from machinery import profile
 from machinery.throughput import PEAK_TFLOPS, Throughput, peak_tflops, train_flops
 
@@ -31,6 +32,25 @@ def test_a_steps_flops_are_the_count_by_hand_and_the_model_is_left_as_it_was():
     assert (flops, examples) == (2 * n * i * h + 2 * n * h * o + 2 * n * i * h + 2 * 2 * n * h * o, n)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BatchNorm's statistics
     assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+
+
+class Doubled(torch.nn.Module):
+    """A GAN's shape: N examples in, 2N rows out (each example's and another's)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(i, o)
+
+    def forward(self, inputs):
+        return self.linear(torch.cat([inputs, inputs.flip(0)]))
+
+
+def test_the_flops_of_an_example_divide_by_the_inputs_rows_not_the_outputs():
+    """2N rows through one Linear: forward 2(2N)IO, backward its weight's gradient only, as much again;
+    per example 8IO, where dividing by the outputs' 2N rows gave half."""
+    n, i, o = 6, 7, 3
+    flops, examples = train_flops(Doubled(i, o), torch.randn(n, i), lambda outputs: outputs.square().sum())
+    assert examples == n and flops / examples == 8 * i * o
 
 
 @pytest.mark.parametrize("name, row", [
@@ -96,6 +116,7 @@ def test_the_profile_is_written_bounded_and_its_top_operators_printed(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(event.get("name") == "aten::convolution_backward" for event in events)
     assert trace.stat().st_size < 1e6  # 2 steps of this model: about 0.3 MB each on CPU
+    assert [path.name for path in tmp_path.glob(".*.tmp")] == []  # exported beside it, then renamed
     table = out.getvalue().split("--profile: optimizer steps 6 to 7 traced")[1]
     assert "Self CPU" in table and len([row for row in table.splitlines() if "aten::" in row]) >= 5
 
@@ -105,3 +126,46 @@ def test_a_profile_too_long_is_refused_before_it_starts(steps, left, words):
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(UserError, match=words):
         profile.record_steps(optimizer, steps, None, device=torch.device("cpu"), steps_left=left)
+
+
+def test_a_kill_during_the_export_leaves_no_truncated_trace(tmp_path, monkeypatch):
+    """The exporter writes its file as it goes: here it stops halfway, as a kill would."""
+    def halfway(profiler, path):
+        with open(path, "w") as f:
+            f.write('{"traceEvents": [')
+        raise RuntimeError("killed during the export")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", halfway)
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(RuntimeError, match="during the export"):
+        train.train(parse_config([*TINY, "--profile", "2", "--out-dir", str(tmp_path)]))
+    assert not (tmp_path / profile.TRACE).exists() and [path.name for path in tmp_path.glob(".*.tmp")] == []
+
+
+@pytest.mark.parametrize("crash, said", [(4, "the run ended after 3 optimizer steps, before step 6: nothing"),
+                                         (7, "optimizer steps 6 to 6 traced (of 2 asked: the run ended)")])
+def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_says_what_it_traced(
+        tmp_path, monkeypatch, crash, said):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), crash_at_step(monkeypatch, crash):
+        train.train(parse_config([*TINY, "--profile", "2", "--out-dir", str(tmp_path)]))
+    assert said in out.getvalue() and not torch.autograd.profiler._is_profiler_enabled
+    trace = tmp_path / profile.TRACE
+    assert (crash == 7) == trace.exists() and (crash == 4 or json.loads(trace.read_text())["traceEvents"])
+
+
+@pytest.mark.parametrize("again", [[], ["--profile", "2"]])
+def test_a_profiled_run_resumed_near_its_end_completes_without_tracing_again(tmp_path, monkeypatch, again):
+    """The checkpoint's config keeps --profile 2: last.pt at step 6 of 10 leaves 4 steps, fewer than the
+    warm-up and the window. Resumed without --profile, nothing is traced; under --resume auto (a restart's
+    command line, --profile in it) a line says it is skipped. The first part's trace stays as it was."""
+    argv = [*TINY, "--save-every", "3", "--profile", "2", "--out-dir", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()), crash_at_step(monkeypatch, 9):
+        train.train(parse_config(argv))
+    first = (tmp_path / profile.TRACE).read_bytes()
+    given = parse_given(["--resume", *(["auto"] if again else []), *again, "--out-dir", str(tmp_path)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train.train(Config(**given), given)
+    assert summary["test_acc"] > 0 and (tmp_path / profile.TRACE).read_bytes() == first
+    assert "traced into" not in out.getvalue()
+    assert ("not traced in this restart" in out.getvalue()) == bool(again)
