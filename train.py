@@ -100,7 +100,8 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     speed = metered(cfg, model, batches, task, info, amp_dtype, process) if cfg.throughput else logs.Speed()
-    traced = profiled(optimizer, cfg, given, resumed, out_dir, process, total_steps - progress.step)
+    traced = profiled(optimizer, cfg, given, resumed, out_dir, process, total_steps - progress.step) if (
+        cfg.profile) else contextlib.nullcontext()  # --profile's torch.profiler, stopped at the run's end
     started, weights, val = time.perf_counter(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
     with log, run_folder.holding(out_dir), batches, traced:  # held, and open, until summary.json is written
@@ -244,7 +245,7 @@ def profiled(optimizer: torch.optim.Optimizer, cfg: Config, given: dict | None, 
     """--profile: steps after a warm-up traced into the run folder (machinery/profile.py), in the context
     returned. The checkpoint's config keeps --profile: a resume traces only where it is given again (`given`
     None: all of cfg is), else it could not end with few steps left and would overwrite the first trace."""
-    if not cfg.profile or not (resumed is None or given is None or "profile" in given):
+    if not (resumed is None or given is None or "profile" in given):
         return contextlib.nullcontext()
     from machinery.profile import record_steps
 

@@ -171,11 +171,13 @@ def test_the_sizes_the_layout_asks_for():
     turn (machinery/turns.py, train.py's optimizers and in_turn: about +90): 6,840. Issue 55 adds what runs
     only where asked, each in a module a default run never imports: seed repeats and their statistics
     (seeds, intervals, compare_seeds.py: about +300), --throughput and --profile (about +235), the K best
-    checkpoints and their average (kept_best, averaging: about +250): 7,650."""
+    checkpoints and their average (kept_best, averaging: about +250), and a review's fixes to them
+    (--profile on resume and written atomically, kept files through a resume into another folder: about
+    +80): 7,730."""
     lines = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in CORE}
     assert {file: n for file, n in lines.items() if n > (618 if file == "lr_find.py" else 400)} == {}
     assert sum(lines[f"{name}.py"] for name in ("train", *FRONT)) <= 1250
-    assert sum(lines.values()) <= 7650, sum(lines.values())
+    assert sum(lines.values()) <= 7730, sum(lines.values())
 
 
 def test_what_was_cut_stays_out():
