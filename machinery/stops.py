@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from machinery.run_folder import continue_command, release_all
 # A logged training loss above this multiple of the run's first batch loss is not coming back
 # (lr_find.py stops its sweep at the same factor over its best loss).
 DIVERGENCE_FACTOR = 4.0
+
+# How long the other ranks of a torchrun run wait, refusing, for rank 0 to report the one line first.
+RANK0_REPORTS_S = 10.0
 
 
 class UnreadableImage(UserError):
@@ -293,6 +297,8 @@ def ended(err: BaseException, after: str, *, status: int, caught: type[Exception
 
                 tell_torchrun(f"error: {err}")
             exit_with_error(str(err), code)
+        if torchrun:  # every rank refuses alike: rank 0 reports it, and torchrun stops this one then,
+            time.sleep(RANK0_REPORTS_S)  # before its summary can blame a silent rank that left first
         raise SystemExit(code) from None
     if rank != 0 and not isinstance(err, KeyboardInterrupt):
         raise err  # torch's long report, from rank 0 alone

@@ -2,11 +2,15 @@
 (train.py, lr_find.py) run as `python SCRIPT ARGS...` would run it, with tests/forks/NAME.py in place of
 task.py (by default the default task's kept copy, classification.py, as conftest.py does for the tests
 themselves), and the dataset and model entries of tests/forks/A.py, B.py added: the tests that start
-scripts (signals, torchrun, command lines) pass whatever task.py holds."""
+scripts (signals, torchrun, command lines) pass whatever task.py holds. `--rank0-late S`: under torchrun,
+rank 0 reports its one line S seconds late, as a slow or busy machine may (the race the root-cause test
+holds open)."""
 
 import importlib
+import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +27,14 @@ while args[0].startswith("--"):
     option, value, *args = args
     if option == "--task":
         task = f"forks.{value}"
+    if option == "--rank0-late" and os.environ.get("RANK") == "0":
+        import machinery.stops
+
+        def late(*line, report=machinery.stops.exit_with_error, seconds=float(value)):
+            time.sleep(seconds)
+            report(*line)
+
+        machinery.stops.exit_with_error = late
     for name in value.split(",") if option == "--entries" else ():
         datasets, found = entries(name)
         data.DATASETS.update(datasets)

@@ -93,8 +93,10 @@ def test_compile_without_a_cpp_compiler_is_one_line(tmp_path):
 
 def test_under_torchrun_the_error_is_the_root_cause(tmp_path):
     """torchrun always prints its own traceback and summary when a worker fails; the summary's root
-    cause is the one line, from the error file torchrun reads."""
-    command = [*TORCHRUN, "train.py", *TINY, "--epochs", "0", "--out-dir", str(tmp_path)]
+    cause is the one line, from the error file torchrun reads. Every rank refuses alike, and the others
+    wait for rank 0's line, even where rank 0 is the slower (--rank0-late)."""
+    late = ["--rank0-late", "1.5"]
+    command = [*TORCHRUN, *late, "train.py", *TINY, "--epochs", "0", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
