@@ -33,9 +33,6 @@ from machinery.run_folder import continue_command, release_all
 # (lr_find.py stops its sweep at the same factor over its best loss).
 DIVERGENCE_FACTOR = 4.0
 
-# How long the other ranks of a torchrun run wait, refusing, for rank 0 to report the one line first.
-RANK0_REPORTS_S = 10.0
-
 
 class UnreadableImage(UserError):
     """An image file that cannot be decoded: the run saves where it stands, the line names the file. From a
@@ -297,8 +294,7 @@ def ended(err: BaseException, after: str, *, status: int, caught: type[Exception
 
                 tell_torchrun(f"error: {err}")
             exit_with_error(str(err), code)
-        if torchrun:  # every rank refuses alike: rank 0 reports it, and torchrun stops this one then,
-            time.sleep(RANK0_REPORTS_S)  # before its summary can blame a silent rank that left first
+        time.sleep(10)  # a rank of torchrun's, as the others refuse: rank 0 says why, torchrun then stops it
         raise SystemExit(code) from None
     if rank != 0 and not isinstance(err, KeyboardInterrupt):
         raise err  # torch's long report, from rank 0 alone
