@@ -218,3 +218,32 @@ def test_lr_auto_reads_the_repeats_one_sweep_for_every_seed(tmp_path, capsys):
     seeds.repeat(lambda cfg, settings: ran.append(settings["lr"]) or fake_train(values, [])(cfg, settings),
                  given, task, OPTIMIZERS)
     assert ran == [swept, swept]
+
+
+def test_under_torchrun_each_seed_is_one_distributed_run_and_rank_0_keeps_the_best(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py --seeds 2 --keep-best 2`: each seed one run of two processes
+    (one group for both), one table, and in each seed's folder the two best checkpoints that best-k.json
+    ranks, written and pruned by rank 0 alone (a second writer would race it: its own unit test is
+    test_kept_best.py's rank test)."""
+    import os
+    import subprocess
+
+    from conftest import ROOT, TORCHRUN
+
+    folder = tmp_path / "rep"
+    command = [*TORCHRUN, "train.py", *TINY, "--epochs", "3", "--seeds", "2", "--keep-best", "2",
+               "--out-dir", str(folder)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("done:") == 2 and result.stdout.count("seed 1 (2 of 2)") == 1, result.stdout
+    record = json.loads((folder / seeds.RECORD).read_text())
+    assert record["seeds"] == [0, 1] and record["metrics"]["val_acc"]["n"] == 2
+    for seed in (0, 1):
+        run = seeds.seed_folder(folder, seed)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["ranks_in_sync"] is True and summary["steps"] == 12
+        ranked = json.loads((run / "best-k.json").read_text())["ranked"]
+        assert len(ranked) == 2 and sorted(p.name for p in run.glob("best-step*.pt")) == sorted(
+            entry["file"] for entry in ranked)
+        assert json.loads((run / "config.json").read_text())["seed"] == seed
