@@ -94,6 +94,18 @@ def test_a_kill_at_any_save_then_a_resume_ends_as_an_uninterrupted_run(whole, tm
         assert kept(out) == (files, ranking), where
 
 
+def test_a_kill_9_of_the_process_then_a_resume_ends_as_an_uninterrupted_run(whole, tmp_path):
+    """A real kill -9 (no `finally` runs: a .tmp file and the dead run's lock may stay), as soon as the
+    second evaluation's kept file appears: during its save's manifest, its deletions or the steps after."""
+    from conftest import LAUNCH
+    from test_resume import kill_after_first_save
+
+    out = tmp_path / "killed"
+    kill_after_first_save([*LAUNCH, "train.py", *TINY, "--out-dir", str(out)], out / "best-step8.pt")
+    run(out, "--resume")
+    assert kept(out) == kept(whole)
+
+
 def test_the_manifest_is_rebuilt_when_deleted_or_stale(whole, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(whole, out)
