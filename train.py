@@ -76,9 +76,11 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
     process.on_rank0(checkpoints.check_free_space, out_dir, model, optimizer, ema)
     saves = keeping_best(cfg.keep_best, task, resumed) if cfg.keep_best else stops.Stops  # --keep-best's
 
-    # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; then --compile.
+    # ---- Resume: every state as saved (the RNGs' too), on data giving the same epochs; --profile; --compile.
     states = {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     progress = Progress() if resumed is None else resumed.restore(info, cfg.epochs, Progress, **states)
+    traced = profiled(optimizer, cfg, given, resumed, out_dir, process, total_steps - progress.step) if (
+        cfg.profile) else contextlib.nullcontext()  # --profile's torch.profiler (refused before any log)
     evaluated = ema.average if ema else model  # what evaluation measures and best.pt keeps
     training, evaluation, free_gradients = compiled(model, evaluated, cfg, info.notes, process) if (
         cfg.compile != "off") else (model, evaluated, True)  # what the loop calls to train, to evaluate
@@ -100,8 +102,6 @@ def train(cfg: Config, given: dict | None = None, task=default_task) -> dict:
 
     # ---- Training: for each optimizer step its micro-batches; at each epoch's end, evaluate and save.
     speed = metered(cfg, model, batches, task, info, amp_dtype, process) if cfg.throughput else logs.Speed()
-    traced = profiled(optimizer, cfg, given, resumed, out_dir, process, total_steps - progress.step) if (
-        cfg.profile) else contextlib.nullcontext()  # --profile's torch.profiler, stopped at the run's end
     started, weights, val = time.perf_counter(), {}, None
     losses, counts = resumed.unlogged(process.device) if resumed else ([], [])  # since the last log point
     with log, run_folder.holding(out_dir), batches, traced:  # held, and open, until summary.json is written

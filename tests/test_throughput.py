@@ -128,6 +128,16 @@ def test_a_profile_too_long_is_refused_before_it_starts(steps, left, words):
         profile.record_steps(optimizer, steps, None, device=torch.device("cpu"), steps_left=left)
 
 
+def test_a_refused_profile_leaves_no_logs_and_no_config_in_the_folder(tmp_path, monkeypatch, capsys):
+    """Refused as the run starts, before its logs open: the folder holds nothing to move aside next time."""
+    from conftest import run_main
+
+    code, out, err = run_main(monkeypatch, capsys, *TINY, "--profile", "21", "--out-dir", tmp_path)
+    assert code == 2 and err.strip().endswith("at most 20 steps are recorded, which keeps the trace file "
+                                              "small; profile fewer"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_kill_during_the_export_leaves_no_truncated_trace(tmp_path, monkeypatch):
     """The exporter writes its file as it goes: here it stops halfway, as a kill would."""
     def halfway(profiler, path):
