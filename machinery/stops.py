@@ -294,7 +294,7 @@ def ended(err: BaseException, after: str, *, status: int, caught: type[Exception
 
                 tell_torchrun(f"error: {err}")
             exit_with_error(str(err), code)
-        time.sleep(10)  # a rank of torchrun's, as the others refuse: rank 0 says why, torchrun then stops it
+        time.sleep(10)  # rank > 0 refuses as rank 0 does: rank 0 says why first, then torchrun stops this one
         raise SystemExit(code) from None
     if rank != 0 and not isinstance(err, KeyboardInterrupt):
         raise err  # torch's long report, from rank 0 alone

@@ -225,16 +225,10 @@ def test_under_torchrun_each_seed_is_one_distributed_run_and_rank_0_keeps_the_be
     (one group for both), one table, and in each seed's folder the two best checkpoints that best-k.json
     ranks, written and pruned by rank 0 alone (a second writer would race it: its own unit test is
     test_kept_best.py's rank test)."""
-    import os
-    import subprocess
-
-    from conftest import ROOT, TORCHRUN
+    from test_resume import torchrun
 
     folder = tmp_path / "rep"
-    command = [*TORCHRUN, "train.py", *TINY, "--epochs", "3", "--seeds", "2", "--keep-best", "2",
-               "--out-dir", str(folder)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = torchrun(*TINY, "--epochs", "3", "--seeds", "2", "--keep-best", "2", "--out-dir", str(folder))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("done:") == 2 and result.stdout.count("seed 1 (2 of 2)") == 1, result.stdout
     record = json.loads((folder / seeds.RECORD).read_text())
