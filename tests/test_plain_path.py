@@ -1,6 +1,7 @@
 """The plain path (issue 53), held: a default `python train.py` imports no module an option needs, and reads
-no more of the template's machinery than docs/reading.md says. One traced run (tests/reading.py), with the
-kept default task; data.py, models.py and task.py, which a fork rewrites, are not counted."""
+no more of the template's machinery than docs/reading.md says. One traced run (tests/reading.py) on digits
+with resnet_small and the kept default task; data.py, models.py and task.py, which a fork rewrites, are not
+counted."""
 
 import json
 import subprocess
@@ -21,9 +22,10 @@ FORKS_FILES = {"data.py", "models.py", "task.py"}
 
 def test_a_default_run_enters_no_option_and_reads_no_more_than_it_did(tmp_path):
     record = tmp_path / "reading.json"
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "reading.py"), str(record), "train.py",
-                             "--epochs", "1", "--out-dir", str(tmp_path / "run")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=240)
+    command = ["train.py", "--dataset", "digits", "--model", "resnet_small", "--epochs", "1", "--out-dir",
+               str(tmp_path / "run")]
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "reading.py"), str(record), *command],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     reading = json.loads(record.read_text())
     machinery = {name.split(".")[1] for name in reading["modules"] if name.startswith("machinery.")}
