@@ -74,14 +74,15 @@ def function_span(code, text: list[str]) -> set[int]:
     """A function's lines, `def` to its last, a last comment or closing bracket without bytecode included."""
     first = code.co_firstlineno
     last = max([n for _, _, n in code.co_lines() if n is not None] + [first])
-    def indent(line: str) -> int:
-        return len(line) - len(line.lstrip())
-
     while last < len(text) and (not text[last].strip() or indent(text[last]) > indent(text[first - 1])):
         last += 1
     while last > first and not text[last - 1].strip():
         last -= 1
     return set(range(first, last + 1))
+
+
+def indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
 if __name__ == "__main__":
